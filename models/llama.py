@@ -1,0 +1,259 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) with a static-shape, graph-friendly forward.
+
+The forward never writes the KV cache: it reads the committed prefix (a view of the cache sliced to a
+context bucket), attends over it plus the T new tokens, and returns the new tokens' K/V. The caller
+commits the K/V it keeps (all of a prefill chunk; only the accepted path of a speculative tree), so a
+rejected draft never touches the cache, and attention never copies the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specair.models.config import ModelConfig
+from specair.models.errors import ModelFormatError
+
+
+class ModelOutput(NamedTuple):
+    logits: Tensor  # [B, n, V] at `logits_index` (n = T when it is None)
+    hidden: Tensor  # [B, T, H] after the final norm (what EAGLE and Medusa heads read)
+    new_k: Tensor  # [L, B, Hkv, T, D]
+    new_v: Tensor  # [L, B, Hkv, T, D]
+
+
+def rope_inv_freq(config: ModelConfig, dtype: torch.dtype) -> Tensor:
+    """Inverse RoPE frequencies, with linear or Llama-3 scaling applied as transformers does."""
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_tables(config: ModelConfig, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [max_positions, head_dim]; float32 math like transformers, float64 for float64 models."""
+    math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    inv = rope_inv_freq(config, math_dtype)
+    pos = torch.arange(config.max_position_embeddings, dtype=math_dtype)
+    freqs = torch.outer(pos, inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, H, D]; cos/sin [B, T, 1, D] (rotate-half layout, as HF checkpoints store q/k)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in at least float32 (as transformers does) so half-precision models stay accurate.
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.wqkv = nn.Linear(c.hidden_size, q_dim + 2 * kv_dim, bias=c.attention_bias)
+        self.wo = nn.Linear(q_dim, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_past: Tensor, v_past: Tensor,
+                mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        G = H // Hkv
+        q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = apply_rope(q.view(B, T, H, D), cos, sin)
+        k = apply_rope(k.view(B, T, Hkv, D), cos, sin).transpose(1, 2)
+        v = v.view(B, T, Hkv, D).transpose(1, 2)
+        # Group query heads by their KV head ([B, Hkv, G*T, D]) so GQA never repeats the cache.
+        q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+        C = k_past.shape[2]
+        scores = torch.cat([q @ k_past.transpose(-1, -2), q @ k.transpose(-1, -2)], dim=-1)
+        scores = scores.view(B, Hkv, G, T, C + T) * (1.0 / math.sqrt(D)) + mask
+        soft_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        p = scores.softmax(dim=-1, dtype=soft_dtype).to(x.dtype).view(B, Hkv, G * T, C + T)
+        out = p[..., :C] @ v_past + p[..., C:] @ v
+        out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+        return self.wo(out), k, v
+
+
+class FeedForward(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.w2 = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.attention = Attention(c)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.feed_forward = FeedForward(c)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_past: Tensor, v_past: Tensor,
+                mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        a, k, v = self.attention(self.attention_norm(x), cos, sin, k_past, v_past, mask)
+        x = x + a
+        return x + self.feed_forward(self.ffn_norm(x)), k, v
+
+
+class Transformer(nn.Module):
+    """The decoder. `forward` is pure: static shapes in, static shapes out, no host syncs."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.tok_embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.output = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.to(dtype)
+        cos, sin = rope_tables(c, dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    def lm_head(self, hidden: Tensor) -> Tensor:
+        w = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return hidden @ w.t()
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache_len: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        tree_mask: Tensor | None = None,
+        logits_index: Tensor | None = None,
+    ) -> ModelOutput:
+        """Run T new tokens per row against the committed prefix.
+
+        tokens, positions: [B, T] int64; cache_len: [B] committed tokens per row (cache slots
+        0..cache_len-1 are valid); k_cache, v_cache: [L, B, Hkv, C, D], the cache sliced to a context
+        bucket C; tree_mask: [B or 1, T, T] bool, which new tokens each new token sees (causal when
+        None; a token tree passes its ancestor mask); logits_index: [B, n] positions in T whose
+        logits are wanted (all T when None).
+        """
+        B, T = tokens.shape
+        C = k_cache.shape[3]
+        x = self.tok_embeddings(tokens)
+        cos = self.rope_cos[positions].unsqueeze(2)
+        sin = self.rope_sin[positions].unsqueeze(2)
+        mask = self._mask(positions, cache_len, C, tree_mask, x.dtype)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, cos, sin, k_cache[i], v_cache[i], mask)
+            new_k.append(k)
+            new_v.append(v)
+        hidden = self.norm(x)
+        picked = hidden
+        if logits_index is not None:
+            picked = hidden.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        return ModelOutput(self.lm_head(picked), hidden, torch.stack(new_k), torch.stack(new_v))
+
+    def _mask(self, positions: Tensor, cache_len: Tensor, C: int, tree_mask: Tensor | None,
+              dtype: torch.dtype) -> Tensor:
+        """Additive mask [B, 1, 1, T, C+T]: committed slots < cache_len, then the tree (or causal) mask."""
+        T = positions.shape[1]
+        slots = torch.arange(C, device=positions.device)
+        past = slots.view(1, 1, C) < cache_len.view(-1, 1, 1)
+        if tree_mask is None:
+            tree_mask = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril().unsqueeze(0)
+        new = tree_mask.expand(positions.shape[0], T, T)
+        window = self.config.sliding_window
+        if window is not None:
+            past = past & (positions.unsqueeze(-1) - slots.view(1, 1, C) < window)
+            new = new & (positions.unsqueeze(-1) - positions.unsqueeze(1) < window)
+        allowed = torch.cat([past.expand(-1, T, -1), new], dim=-1)
+        neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=positions.device)
+        zero = torch.zeros((), dtype=dtype, device=positions.device)
+        return torch.where(allowed, zero, neg)[:, None, None]
+
+    def empty_cache(self, batch: int, slots: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+        """A zeroed K and V cache [L, batch, Hkv, slots, D] in the model's dtype."""
+        c = self.config
+        shape = (c.num_layers, batch, c.num_kv_heads, slots, c.head_dim)
+        return (torch.zeros(shape, dtype=self.dtype, device=device),
+                torch.zeros(shape, dtype=self.dtype, device=device))
+
+
+def build_model(config: ModelConfig, state_dict: dict[str, Tensor], dtype: torch.dtype = torch.float32,
+                num_layers: int | None = None) -> Transformer:
+    """A Transformer from an HF-named state dict; `num_layers` keeps only the first N layers (layer skip)."""
+    if num_layers is not None:
+        if not 0 < num_layers <= config.num_layers:
+            raise ModelFormatError(f"num_layers must be in 1..{config.num_layers}, got {num_layers}")
+        config = replace(config, num_layers=num_layers)
+    with torch.device("meta"):
+        model = Transformer(config, dtype)
+    sd = state_dict
+
+    def get(name: str) -> Tensor:
+        if name not in sd:
+            raise ModelFormatError(f"checkpoint lacks tensor {name!r}")
+        return sd[name].to(dtype)
+
+    ours: dict[str, Tensor] = {"tok_embeddings.weight": get("model.embed_tokens.weight"),
+                               "norm.weight": get("model.norm.weight")}
+    if not config.tie_word_embeddings:
+        ours["output.weight"] = get("lm_head.weight") if "lm_head.weight" in sd else ours["tok_embeddings.weight"]
+    for i in range(config.num_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        att = p + "self_attn."
+        ours[o + "attention_norm.weight"] = get(p + "input_layernorm.weight")
+        ours[o + "ffn_norm.weight"] = get(p + "post_attention_layernorm.weight")
+        ours[o + "attention.wqkv.weight"] = torch.cat([get(att + f"{n}_proj.weight") for n in "qkv"])
+        if config.attention_bias:
+            ours[o + "attention.wqkv.bias"] = torch.cat([get(att + f"{n}_proj.bias") for n in "qkv"])
+        ours[o + "attention.wo.weight"] = get(att + "o_proj.weight")
+        ours[o + "feed_forward.w13.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+        ours[o + "feed_forward.w2.weight"] = get(p + "mlp.down_proj.weight")
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for name, t in ours.items():
+        if tuple(t.shape) != expected[name]:
+            raise ModelFormatError(f"tensor for {name} has shape {tuple(t.shape)}, config implies {expected[name]}")
+    model.load_state_dict(ours, strict=True, assign=True)
+    cos, sin = rope_tables(config, dtype)
+    model.rope_cos, model.rope_sin = cos, sin
+    return model.eval().requires_grad_(False)
+
