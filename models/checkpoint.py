@@ -1,0 +1,217 @@
+"""Load model weights from any supported source into HF-named tensors: the one entry point is `load_checkpoint`.
+
+Sources: an HF directory (config.json + safetensors), a GGUF file, a llama2.c `.bin`, or None for the
+default model. Pickle files (`pytorch_model.bin`, `.pt`) are refused: loading them runs arbitrary code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specair.models.config import ModelConfig
+from specair.models.errors import ModelFormatError
+from specair.models.tokenizer import Tokenizer
+
+
+@dataclass
+class Checkpoint:
+    """Weights with HF transformers names (q/k rows in HF rotate-half order), their config and tokenizer."""
+
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Tokenizer | None
+    source: str
+    fingerprint: str
+
+
+def load_checkpoint(
+    path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> Checkpoint:
+    """Load a checkpoint: None -> the default model, a directory -> HF safetensors dir, a file starting with
+    `GGUF` -> GGUF, any other file -> llama2.c `.bin`. Weights come back in `dtype`."""
+    if path is None:
+        from specair.models.default_model import default_model_dir
+
+        # The cache holds fp32/fp16/bf16 conversions; other dtypes (float64 for exactness tests) upcast fp32.
+        cached = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+        return load_hf_dir(default_model_dir(cached, progress=progress), dtype)
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelFormatError(f"{p}: no such file or directory")
+    if p.is_dir():
+        return load_hf_dir(p, dtype)
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelFormatError(f"{p}: cannot read ({e.strerror})") from None
+    if magic == b"GGUF":
+        from specair.models.gguf_loader import load_gguf
+
+        return load_gguf(p, dtype, progress=progress)
+    if magic[:2] == b"PK" or magic[:1] == b"\x80":
+        raise ModelFormatError(f"{p}: looks like a PyTorch pickle; specair refuses pickles (they can run code). "
+                               "Convert it to safetensors and pass the directory holding config.json")
+    if p.suffix == ".safetensors":
+        raise ModelFormatError(f"{p}: pass the directory holding config.json and this file, not the file itself")
+    from specair.models.llama2c import load_llama2c
+
+    return load_llama2c(p, dtype)
+
+
+# ---- helpers shared by the loaders ----
+
+_HASH_CACHE: dict[tuple, str] = {}
+
+
+def file_sha256(paths: list[Path]) -> str:
+    """sha256 over the concatenated contents of `paths`, streamed; cached in-process by (path, size, mtime)."""
+    stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in paths]
+    key = tuple(stats)
+    if key not in _HASH_CACHE:
+        h = hashlib.sha256()
+        for p in paths:
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+        _HASH_CACHE[key] = h.hexdigest()
+    return _HASH_CACHE[key]
+
+
+def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder the rows of a q/k projection (weight or bias) from interleaved-pair RoPE (Meta, llama2.c,
+    llama.cpp) to HF's rotate-half layout: per head, rows (x0, y0, x1, y1, ...) -> (x0, x1, ..., y0, y1, ...)."""
+    out = w.shape[0]
+    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of `interleaved_to_half` (what llama.cpp's converter applies to HF q/k weights)."""
+    out = w.shape[0]
+    return w.reshape(n_heads, 2, out // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `cfg` must have, with its shape (optional biases excluded)."""
+    h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for n in range(cfg.num_layers):
+        pre = f"model.layers.{n}."
+        shapes |= {
+            pre + "input_layernorm.weight": (h,),
+            pre + "post_attention_layernorm.weight": (h,),
+            pre + "self_attn.q_proj.weight": (q, h),
+            pre + "self_attn.k_proj.weight": (kv, h),
+            pre + "self_attn.v_proj.weight": (kv, h),
+            pre + "self_attn.o_proj.weight": (h, q),
+            pre + "mlp.gate_proj.weight": (i, h),
+            pre + "mlp.up_proj.weight": (i, h),
+            pre + "mlp.down_proj.weight": (h, i),
+        }
+        if cfg.attention_bias:
+            shapes |= {pre + "self_attn.q_proj.bias": (q,), pre + "self_attn.k_proj.bias": (kv,),
+                       pre + "self_attn.v_proj.bias": (kv,)}
+    return shapes
+
+
+def _optional_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    for n in range(cfg.num_layers):
+        pre = f"model.layers.{n}.self_attn."
+        shapes |= {pre + "q_proj.bias": (q,), pre + "k_proj.bias": (kv,), pre + "v_proj.bias": (kv,),
+                   pre + "o_proj.bias": (h,)}
+    return shapes
+
+
+def check_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> dict[str, torch.Tensor]:
+    """Validate names and shapes against `cfg`; drop rotary caches and a tied lm_head; warn about unknown tensors."""
+    required, optional = expected_shapes(cfg), _optional_shapes(cfg)
+    missing = [k for k in required if k not in sd]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise ModelFormatError(f"{source}: missing tensors {', '.join(missing[:3])}{more}")
+    out, unknown = {}, []
+    for k, t in sd.items():
+        if k.endswith("rotary_emb.inv_freq") or (k == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        want = required.get(k) or optional.get(k)
+        if want is None:
+            unknown.append(k)
+            continue
+        if tuple(t.shape) != want:
+            raise ModelFormatError(f"{source}: tensor {k} has shape {tuple(t.shape)}, config.json implies {want}")
+        out[k] = t
+    if unknown:
+        warnings.warn(f"{source}: ignoring {len(unknown)} unknown tensors, e.g. {unknown[0]}", stacklevel=3)
+    return out
+
+
+# ---- HF safetensors directory ----
+
+def load_hf_dir(directory: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load an HF model directory: config.json, model.safetensors (or a sharded index), tokenizer files."""
+    from safetensors import safe_open
+
+    d = Path(directory)
+    if not d.is_dir():
+        raise ModelFormatError(f"{d}: no such directory")
+    if not (d / "config.json").is_file():
+        raise ModelFormatError(f"{d}: no config.json; an HF model directory needs config.json and model.safetensors")
+    try:
+        raw_cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{d / 'config.json'}: not valid JSON ({e})") from None
+    if not isinstance(raw_cfg, dict):
+        raise ModelFormatError(f"{d / 'config.json'}: expected a JSON object")
+    cfg = ModelConfig.from_hf(raw_cfg)
+    files = _safetensors_files(d)
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    t = st.get_tensor(name)
+                    if not t.is_floating_point():
+                        raise ModelFormatError(
+                            f"{f}: tensor {name} has dtype {t.dtype}; quantized checkpoints are not supported")
+                    sd[name] = t.to(dtype)
+        except ModelFormatError:
+            raise
+        except Exception as e:  # SafetensorError, OSError, or torch's error on a short buffer
+            raise ModelFormatError(f"{f}: corrupt or truncated safetensors file ({e})") from None
+    sd = check_state_dict(sd, cfg, str(d))
+    return Checkpoint(cfg, sd, Tokenizer.from_hf_dir(d), str(d), file_sha256(files))
+
+
+def _safetensors_files(d: Path) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelFormatError(f"{index}: not a valid safetensors index ({e})") from None
+        files = [d / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelFormatError(f"{index} lists {f.name}, which is missing")
+        return files
+    if (d / "model.safetensors").is_file():
+        return [d / "model.safetensors"]
+    pickles = sorted(p.name for p in d.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    if pickles:
+        raise ModelFormatError(
+            f"{d}: weights only as {pickles[0]}, a PyTorch pickle; specair refuses pickles (they can run code). "
+            "Convert it to model.safetensors (e.g. save_pretrained(..., safe_serialization=True))"
+        )
+    raise ModelFormatError(f"{d}: no model.safetensors or model.safetensors.index.json")
