@@ -165,6 +165,7 @@ class Transformer(nn.Module):
         v_cache: Tensor,
         tree_mask: Tensor | None = None,
         logits_index: Tensor | None = None,
+        past_mask: Tensor | None = None,
     ) -> ModelOutput:
         """Run T new tokens per row against the committed prefix.
 
@@ -172,14 +173,15 @@ class Transformer(nn.Module):
         0..cache_len-1 are valid); k_cache, v_cache: [L, B, Hkv, C, D], the cache sliced to a context
         bucket C; tree_mask: [B or 1, T, T] bool, which new tokens each new token sees (causal when
         None; a token tree passes its ancestor mask); logits_index: [B, n] positions in T whose
-        logits are wanted (all T when None).
+        logits are wanted (all T when None); past_mask: [B, T, C] bool, which cache slots each new
+        token sees, replacing `slot < cache_len` (a draft tree reads its ancestors' scratch slots).
         """
         B, T = tokens.shape
         C = k_cache.shape[3]
         x = self.tok_embeddings(tokens)
         cos = self.rope_cos[positions].unsqueeze(2)
         sin = self.rope_sin[positions].unsqueeze(2)
-        mask = self._mask(positions, cache_len, C, tree_mask, x.dtype)
+        mask = self._mask(positions, cache_len, C, tree_mask, past_mask, x.dtype)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, cos, sin, k_cache[i], v_cache[i], mask)
@@ -192,19 +194,19 @@ class Transformer(nn.Module):
         return ModelOutput(self.lm_head(picked), hidden, torch.stack(new_k), torch.stack(new_v))
 
     def _mask(self, positions: Tensor, cache_len: Tensor, C: int, tree_mask: Tensor | None,
-              dtype: torch.dtype) -> Tensor:
+              past_mask: Tensor | None, dtype: torch.dtype) -> Tensor:
         """Additive mask [B, 1, 1, T, C+T]: committed slots < cache_len, then the tree (or causal) mask."""
-        T = positions.shape[1]
+        B, T = positions.shape
         slots = torch.arange(C, device=positions.device)
-        past = slots.view(1, 1, C) < cache_len.view(-1, 1, 1)
+        past = slots.view(1, 1, C) < cache_len.view(-1, 1, 1) if past_mask is None else past_mask
         if tree_mask is None:
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril().unsqueeze(0)
-        new = tree_mask.expand(positions.shape[0], T, T)
+        new = tree_mask.expand(B, T, T)
         window = self.config.sliding_window
         if window is not None:
             past = past & (positions.unsqueeze(-1) - slots.view(1, 1, C) < window)
             new = new & (positions.unsqueeze(-1) - positions.unsqueeze(1) < window)
-        allowed = torch.cat([past.expand(-1, T, -1), new], dim=-1)
+        allowed = torch.cat([past.expand(B, T, C), new], dim=-1)
         neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=positions.device)
         zero = torch.zeros((), dtype=dtype, device=positions.device)
         return torch.where(allowed, zero, neg)[:, None, None]
@@ -257,3 +259,16 @@ def build_model(config: ModelConfig, state_dict: dict[str, Tensor], dtype: torch
     model.rope_cos, model.rope_sin = cos, sin
     return model.eval().requires_grad_(False)
 
+
+
+def truncated(model: Transformer, num_layers: int) -> Transformer:
+    """The model's first `num_layers` layers with its own final norm and LM head, sharing its weights
+    (the layer-skip / self-speculative draft)."""
+    if not 0 < num_layers <= model.config.num_layers:
+        raise ModelFormatError(f"num_layers must be in 1..{model.config.num_layers}, got {num_layers}")
+    with torch.device("meta"):
+        draft = Transformer(replace(model.config, num_layers=num_layers), model.dtype)
+    draft.tok_embeddings, draft.norm, draft.output = model.tok_embeddings, model.norm, model.output
+    draft.layers = nn.ModuleList(list(model.layers)[:num_layers])
+    draft.rope_cos, draft.rope_sin = model.rope_cos, model.rope_sin
+    return draft.eval()

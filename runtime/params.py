@@ -1,0 +1,108 @@
+"""Per-request sampling parameters, results, and the text side of a request (detokenize + stop strings)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+from specair.models.errors import InputError
+from specair.runtime.detokenize import IncrementalDetokenizer
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to generate: vLLM/OpenAI semantics (temperature 0 is greedy; top_k 0 and top_p 1 disable)."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InputError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise InputError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InputError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InputError("stop strings must be non-empty strings")
+
+
+@dataclass
+class GenerationResult:
+    """One finished request, in the shape `specair generate --json` prints."""
+
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    ttft_s: float
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(d.pop("extra"))
+        return d
+
+
+class TextAssembler:
+    """Streams a request's text: UTF-8-safe deltas, cut at the first stop string, never showing text
+    that a stop string might still claim (a suffix that is a prefix of one is held back)."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str]) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+        self.stop = tuple(stop)
+        self.text = ""  # all text decoded so far
+        self.sent = 0  # characters of `text` already emitted
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        """Append a token; return the newly safe text. Sets `stopped` when a stop string appears."""
+        if self.detok is None:
+            return ""
+        self.text += self.detok.add(token_id)
+        return self._emit()
+
+    def finish(self) -> str:
+        """The rest of the text once generation ends."""
+        if self.detok is not None and not self.stopped:
+            self.text += self.detok.flush()
+        return self._emit(final=True)
+
+    def _emit(self, final: bool = False) -> str:
+        if self.stopped:
+            return ""
+        safe = len(self.text)
+        if self.stop:
+            start = max(0, self.sent - max(map(len, self.stop)))
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text, self.stopped, safe = self.text[:min(hits)], True, min(hits)
+            elif not final:
+                safe = len(self.text) - _held_back(self.text, self.stop)
+        out, self.sent = self.text[self.sent:safe], max(self.sent, safe)
+        return out
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

@@ -1,0 +1,37 @@
+"""Tiny random HF checkpoints for parity tests (real transformers models, saved with save_pretrained)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, max_position_embeddings=512)
+
+VARIANTS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "llama3-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                     "rope_theta": 500000.0}),
+    "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"tie_word_embeddings": True}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 24}),
+}
+
+
+def save_tiny(kind: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """Save a randomly initialised HF model of one of VARIANTS to path; return the HF model (eval mode)."""
+    cfg_cls, model_cls, extra = VARIANTS[kind]
+    torch.manual_seed(seed)
+    cfg = cfg_cls(**{**TINY, **extra, **overrides})
+    model = model_cls(cfg).to(dtype).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so a loader that drops them fails.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model

@@ -1,0 +1,127 @@
+"""The static KV cache, chunked prefill and sampling of the reference decoder."""
+
+import pytest
+import torch
+import transformers
+from helpers import save_tiny
+
+from specair.graphs.sampling import logits_to_probs, sample, sample_from_probs
+from specair.graphs.steps import decode_step, prefill_chunk
+from specair.models.checkpoint import load_checkpoint
+from specair.models.errors import InputError
+from specair.models.llama import build_model
+from specair.runtime.params import SamplingParams
+from specair.runtime.reference import ReferenceDecoder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    save_tiny("llama", path)
+    ckpt = load_checkpoint(path, progress=False)
+    return {dt: build_model(ckpt.config, ckpt.state_dict, dt) for dt in (torch.float32, torch.float64)}
+
+
+GREEDY = (torch.zeros(1), torch.zeros(1, dtype=torch.long), torch.ones(1), torch.zeros(1))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+def test_kv_cache_decoding_equals_full_recomputation(tiny, dtype, tol):
+    model = tiny[dtype]
+    seq = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(0))
+    k, v = model.empty_cache(1, 128 + 16)
+    with torch.no_grad():
+        full = model(seq, torch.arange(60)[None], torch.zeros(1, dtype=torch.long), k, v).logits[0]
+        logits, _ = prefill_chunk(model, seq[:, :20], torch.tensor([0]), torch.tensor([20]), k, v, ctx=64)
+        assert (logits[0] - full[19]).abs().max() <= tol
+        for t in range(20, 60):
+            greedy = [x.to(dtype) if x.is_floating_point() else x for x in GREEDY]
+            _, logits = decode_step(model, seq[:, t], torch.tensor([t]), k, v, *greedy, ctx=64)
+            assert (logits[0] - full[t]).abs().max() <= tol, t
+
+
+def test_chunked_prefill_equals_one_shot(tiny):
+    model = tiny[torch.float64]
+    prompt = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    one, many = ReferenceDecoder(model, prefill_chunk_size=128), ReferenceDecoder(model, prefill_chunk_size=7)
+    a, b = one.prefill(prompt), many.prefill(prompt)
+    assert (a - b).abs().max() <= 1e-10
+    assert (one.k_cache[..., :100, :] - many.k_cache[..., :100, :]).abs().max() <= 1e-10
+    p = SamplingParams(max_tokens=20, ignore_eos=True)
+    assert one.generate(prompt, p).token_ids == many.generate(prompt, p).token_ids
+
+
+def test_probs_match_transformers_warpers():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 50, generator=g, dtype=torch.float64) * 3
+    settings = [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.5, 10, 0.6)]
+    temps, ks, ps = (torch.tensor(x) for x in zip(*settings))
+    ours = logits_to_probs(logits, temps.double(), ks, ps.double())
+    for row, (t, k, p) in enumerate(settings):
+        x = transformers.TemperatureLogitsWarper(t)(None, logits[row:row + 1].clone())
+        if k:
+            x = transformers.TopKLogitsWarper(k)(None, x)
+        if p < 1:
+            x = transformers.TopPLogitsWarper(p)(None, x)
+        assert torch.allclose(ours[row], x.softmax(-1)[0], atol=1e-12), settings[row]
+
+
+def test_inverse_cdf_sampling_is_exact():
+    probs = torch.tensor([[0.0, 0.5, 0.125, 0.0, 0.375]], dtype=torch.float64)
+    n = 8000
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n  # a uniform grid stands in for every draw
+    toks = sample_from_probs(probs.expand(n, -1), u)
+    freq = torch.bincount(toks, minlength=5).double() / n
+    assert torch.allclose(freq, probs[0], atol=1 / n)
+
+
+def test_temperature_zero_is_argmax_and_padding_rows_are_independent():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3))
+    temps, ks, ps = torch.tensor([0.0, 1.0, 0.0]), torch.tensor([0, 3, 0]), torch.tensor([1.0, 1.0, 1.0])
+    u = torch.tensor([0.3, 0.9, 0.1])
+    out = sample(logits, temps, ks, ps, u)
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+    assert out[1] in logits[1].topk(3).indices
+    alone = sample(logits[1:2], temps[1:2], ks[1:2], ps[1:2], u[1:2])
+    assert alone[0] == out[1]
+
+
+def test_seeded_sampling_reproduces(tiny):
+    dec = ReferenceDecoder(tiny[torch.float32], prefill_chunk_size=16)
+    prompt = list(range(10, 30))
+    p = SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    a, b = dec.generate(prompt, p), dec.generate(prompt, p)
+    c = dec.generate(prompt, SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=8, ignore_eos=True))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_eos_and_max_tokens(tiny):
+    model = tiny[torch.float32]
+    dec = ReferenceDecoder(model, prefill_chunk_size=16)
+    prompt = list(range(5, 25))
+    free = dec.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert free.num_generated_tokens == 12 and free.finish_reason == "length"
+    dec.eos_ids = frozenset({free.token_ids[4]})
+    stopped = dec.generate(prompt, SamplingParams(max_tokens=12))
+    first = free.token_ids.index(free.token_ids[4])
+    assert stopped.token_ids == free.token_ids[:first + 1] and stopped.finish_reason == "stop"
+
+
+def test_context_limits(tiny):
+    dec = ReferenceDecoder(tiny[torch.float32], max_context=64, prefill_chunk_size=16)
+    with pytest.raises(InputError, match="context holds 64"):
+        dec.generate(list(range(64)))
+    with pytest.raises(InputError, match="empty"):
+        dec.generate([])
+    with pytest.raises(InputError, match="token ids"):
+        dec.generate([1, 2, 999])
+    res = dec.generate(list(range(60)), SamplingParams(max_tokens=100, ignore_eos=True))
+    assert res.num_generated_tokens == 4 and res.finish_reason == "length"
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
+                                 dict(stop=("",))])
+def test_bad_sampling_params(bad):
+    with pytest.raises(InputError):
+        SamplingParams(**bad)
