@@ -13,20 +13,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .sampling import logits_to_probs, sample_from_probs
+from .sampling import request_probs, sample_from_probs
 
 
 class AcceptResult(NamedTuple):
     num_accepted: Tensor  # [B] long: draft tokens accepted (0..D), the bonus not counted
     tokens: Tensor  # [B, D+1] long: accepted draft tokens, then the bonus/recovered token at num_accepted; -1 after
     node_ids: Tensor  # [B, D+1] long: root (0) and the accepted nodes; -1 after num_accepted + 1 entries
-
-
-def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """The target distribution [B, ..., V]: one-hot argmax for temperature-0 rows, else filtered softmax."""
-    probs = logits_to_probs(logits, temperature, top_k, top_p)
-    greedy = (logits.argmax(-1, keepdim=True) == torch.arange(logits.shape[-1], device=logits.device)).to(probs.dtype)
-    return torch.where((temperature == 0).view(-1, *(1,) * (logits.dim() - 1)), greedy, probs)
 
 
 def _result(tree_tokens: Tensor, path: Tensor, num_accepted: Tensor, last_token: Tensor) -> AcceptResult:
@@ -79,6 +72,7 @@ def accept_typical(
     top_p: Tensor,
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
+    filtered: bool = True,
 ) -> AcceptResult:
     """Typical acceptance (Medusa §3.3.1, vLLM TypicalAcceptanceSampler). LOSSY by design.
 
@@ -88,9 +82,10 @@ def accept_typical(
     is the longest root path of acceptable tokens (ties: lowest node id; Medusa breaks them by
     likelihood), followed by the target's argmax at its last node (vLLM's recovered token). The output
     does not follow the target's distribution: it trades exactness for longer accepted runs.
-    posterior_threshold / posterior_alpha are compile-time constants (a new value means a new graph).
+    posterior_threshold / posterior_alpha are compile-time constants (a new value means a new graph);
+    filtered=False (static) skips top-k/top-p for requests that use neither.
     """
-    p = target_probs(target_logits, temperature, top_k, top_p)
+    p = request_probs(target_logits, temperature, top_k, top_p, filtered)
     # Entropy as in vLLM (model_executor/layers/typical_acceptance_sampler.py, _evaluate_accepted_tokens)
     # and Medusa (medusa/model/utils.py, evaluate_posterior): H = -sum p log(p + 1e-5), natural log.
     entropy = -(p * torch.log(p + 1e-5)).sum(-1)
@@ -115,12 +110,13 @@ def accept_rejection(
     *,
     max_depth: int | None = None,
     return_probs: bool = False,
+    filtered: bool = True,
 ) -> AcceptResult | tuple[AcceptResult, Tensor, Tensor]:
     """Exact speculative sampling on trees: SpecInfer-style multi-step speculative sampling (MSS).
 
     draft_probs [B, T, V]: q_i, the distribution node i's token was proposed from (for a sampled node,
     the draft's distribution at its parent; for a deterministically chosen top-k candidate, one-hot of
-    its token). The output follows the target distribution p (target_probs: temperature, top-k, top-p;
+    its token). The output follows the target distribution p (request_probs: temperature, top-k, top-p;
     one-hot argmax at temperature 0, where this reduces to greedy) exactly, provided each sibling is
     drawn from its q_i independently of earlier siblings (i.i.d. samples, or fixed candidates with
     one-hot q). Testing siblings independently against the unmodified p would be biased.
@@ -132,6 +128,7 @@ def accept_rejection(
     speculative sampling: residual on the first rejection, bonus when all k are accepted.
 
     uniforms [B, T+1]: column i (i >= 1) is node i's accept test, column T the final sample.
+    filtered=False (static) skips top-k/top-p for requests that use neither.
     max_depth: the tree's depth D (static), which sets the output width D + 1; default T - 1, exact
     for a chain and an upper bound for any tree (pass template.max_depth for trees).
     With return_probs, also returns accept_prob [B, T] (the min(1, p_cur/q) used at each visited node,
@@ -140,7 +137,7 @@ def accept_rejection(
     B, T, V = target_logits.shape
     W = children.shape[-1]
     D = T - 1 if max_depth is None else max_depth
-    p = target_probs(target_logits, temperature, top_k, top_p)
+    p = request_probs(target_logits, temperature, top_k, top_p, filtered)
     dt = p.dtype
     q_all = draft_probs.to(dt)
     u_all = uniforms.to(dt)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specair.graphs.kv import commit_kv
-from specair.graphs.sampling import logits_to_probs, sample_from_probs
+from specair.graphs.sampling import request_probs, sample_from_probs
 from specair.graphs.steps import prefill_chunk
 from specair.graphs.tree import TreeTemplate
 from specair.models.llama import Transformer
@@ -31,16 +31,9 @@ def _catch_up(draft: Transformer, catch_tokens: Tensor, n_catch: Tensor, draft_l
     return logits, root, draft_len + n_catch - 1
 
 
-def _proposal(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """The draft's proposal distribution: filtered like the target's, one-hot on the argmax where greedy."""
-    probs = logits_to_probs(logits, temperature, top_k, top_p)
-    greedy = F.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
-    return torch.where((temperature > 0).view(-1, *(1,) * (logits.dim() - 1)), probs, greedy)
-
-
 def draft_chain(draft: Transformer, catch_tokens: Tensor, n_catch: Tensor, draft_len: Tensor, k_cache: Tensor,
                 v_cache: Tensor, k: int, temperature: Tensor, top_k: Tensor, top_p: Tensor, uniforms: Tensor,
-                ctx: int) -> tuple[Tensor, Tensor]:
+                ctx: int, filtered: bool = True) -> tuple[Tensor, Tensor]:
     """k tokens sampled one after another from the draft (argmax where temperature is 0).
 
     catch_tokens [B, W] with n_catch [B] real ones (the last is the root), draft_len [B] tokens already
@@ -49,7 +42,7 @@ def draft_chain(draft: Transformer, catch_tokens: Tensor, n_catch: Tensor, draft
     logits, root, slot = _catch_up(draft, catch_tokens, n_catch, draft_len, k_cache, v_cache, ctx)
     tokens, probs = [root], [torch.zeros_like(logits)]
     for i in range(k):
-        q = _proposal(logits, temperature, top_k, top_p)
+        q = request_probs(logits, temperature, top_k, top_p, filtered)
         tok = sample_from_probs(q, uniforms[:, i])
         tokens.append(tok)
         probs.append(q)

@@ -1,24 +1,32 @@
-"""Sampling with per-row parameters as tensors and randomness as an input (no RNG ops in graphs)."""
+"""Sampling with per-row parameters as tensors and randomness as an input (no RNG ops in graphs).
+
+`filtered` is a static choice of graph variant: top-k/top-p need a sort over the vocabulary, which
+costs more than the rest of sampling together, so requests that use neither run the variant without it.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
-def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                    filtered: bool = True) -> Tensor:
     """Probabilities [..., V] after temperature, then top-k, then top-p (the order of transformers and vLLM).
 
-    logits [B, ..., V]; temperature, top_k, top_p [B] (top_k <= 0 and top_p >= 1 disable the filters).
-    A row with temperature 0 gets the distribution at temperature 1e-5, which rounds to one-hot on
-    the argmax; greedy callers take the argmax directly.
+    logits [B, ..., V]; temperature, top_k, top_p [B] (top_k <= 0 and top_p >= 1 disable the filters;
+    filtered=False skips them altogether). A temperature-0 row gets the distribution at temperature
+    1e-5; use `request_probs` for the exact one-hot of greedy rows.
     """
     V = logits.shape[-1]
     extra = (1,) * (logits.dim() - 1)
     t = temperature.clamp(min=1e-5).view(-1, *extra)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).view(-1, *extra)
-    p_max = top_p.view(-1, *extra).to(logits.dtype)
     x = (logits / t).float() if logits.dtype in (torch.float16, torch.bfloat16) else logits / t
+    if not filtered:
+        return x.softmax(dim=-1)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).view(-1, *extra)
+    p_max = top_p.view(-1, *extra).to(x.dtype)
     sorted_x, order = x.sort(dim=-1, descending=True)
     ranks = torch.arange(V, device=logits.device)
     sorted_x = sorted_x.masked_fill(ranks >= k, float("-inf"))
@@ -29,6 +37,15 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     return torch.zeros_like(p).scatter(-1, order, p)
 
 
+def request_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                  filtered: bool = True) -> Tensor:
+    """The distribution a request samples from [B, ..., V]: one-hot on the argmax for temperature-0
+    rows, else `logits_to_probs`. Both the target's and the draft's distributions are this."""
+    probs = logits_to_probs(logits, temperature, top_k, top_p, filtered)
+    greedy = F.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
+    return torch.where((temperature == 0).view(-1, *(1,) * (logits.dim() - 1)), greedy, probs)
+
+
 def sample_from_probs(probs: Tensor, uniform: Tensor) -> Tensor:
     """Inverse-CDF sampling: probs [..., V], uniform [...] in [0, 1) → token ids [...]."""
     cdf = probs.cumsum(dim=-1)
@@ -36,7 +53,24 @@ def sample_from_probs(probs: Tensor, uniform: Tensor) -> Tensor:
     return (cdf <= u).sum(dim=-1).clamp(max=probs.shape[-1] - 1)
 
 
-def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor) -> Tensor:
-    """Next tokens [B] from logits [B, V]: argmax where temperature is 0, else a filtered sample."""
-    probs = logits_to_probs(logits, temperature, top_k, top_p)
-    return torch.where(temperature > 0, sample_from_probs(probs, uniform), logits.argmax(dim=-1))
+def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor,
+           variant: str = "filtered") -> Tensor:
+    """Next tokens [B] from logits [B, V]: argmax where temperature is 0, else a sample.
+
+    variant (static): "greedy" (every row has temperature 0: argmax only), "plain" (temperature only),
+    "filtered" (temperature, top-k, top-p).
+    """
+    greedy = logits.argmax(dim=-1)
+    if variant == "greedy":
+        return greedy
+    probs = logits_to_probs(logits, temperature, top_k, top_p, filtered=variant == "filtered")
+    return torch.where(temperature > 0, sample_from_probs(probs, uniform), greedy)
+
+
+def sampling_variant(temperatures: list[float], top_ks: list[int], top_ps: list[float]) -> str:
+    """The cheapest `sample` variant that serves every row (a host-side choice, made per step)."""
+    if all(t == 0 for t in temperatures):
+        return "greedy"
+    if all(k <= 0 for k in top_ks) and all(p >= 1 for p in top_ps):
+        return "plain"
+    return "filtered"

@@ -34,10 +34,11 @@ def prefill_chunk(model: Transformer, tokens: Tensor, cache_len: Tensor, n_valid
 
 def decode_step(model: Transformer, tokens: Tensor, cache_len: Tensor, k_cache: Tensor, v_cache: Tensor,
                 temperature: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor,
-                ctx: int) -> tuple[Tensor, Tensor]:
-    """One autoregressive step: tokens [B] at slot cache_len [B] → (next tokens [B], logits [B, V])."""
+                ctx: int, variant: str = "filtered") -> tuple[Tensor, Tensor]:
+    """One autoregressive step: tokens [B] at slot cache_len [B] → (next tokens [B], logits [B, V]).
+    `variant` is the static sampling variant (see `sample`)."""
     out = model(tokens.unsqueeze(1), cache_len.unsqueeze(1), cache_len,
                 k_cache[..., :ctx, :], v_cache[..., :ctx, :])
     commit_kv(k_cache, v_cache, out.new_k, out.new_v, cache_len.unsqueeze(1))
     logits = out.logits[:, 0]
-    return sample(logits, temperature, top_k, top_p, uniform), logits
+    return sample(logits, temperature, top_k, top_p, uniform, variant), logits

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from specair.graphs.sampling import sample
+from specair.graphs.sampling import sample, sampling_variant
 from specair.graphs.steps import decode_step, prefill_chunk
 from specair.models.errors import InputError
 from specair.models.llama import Transformer
@@ -53,6 +53,8 @@ class Request:
         self.temperature = torch.tensor([float(params.temperature)], dtype=dtype)
         self.top_k = torch.tensor([params.top_k])
         self.top_p = torch.tensor([float(params.top_p)], dtype=dtype)
+        self.variant = sampling_variant([params.temperature], [params.top_k], [params.top_p])
+        self.filtered = self.variant == "filtered"
 
     @property
     def greedy(self) -> bool:
@@ -109,7 +111,7 @@ class Decoder:
     def _start(self, ids: list[int], req: Request) -> int:
         """Prefill the prompt; return the first generated token."""
         logits = self.prefill(ids)
-        return int(sample(logits, req.temperature, req.top_k, req.top_p, req.uniforms()).item())
+        return int(sample(logits, req.temperature, req.top_k, req.top_p, req.uniforms(), req.variant).item())
 
     def _step(self, seq: list[int], req: Request) -> list[int]:
         """Given the sequence so far (its last token not yet in the cache), return the next tokens."""
@@ -120,7 +122,7 @@ class Decoder:
         pos = len(seq) - 1
         ctx = context_bucket(pos + 1, self.slots)
         token, _ = decode_step(self.model, torch.tensor([seq[-1]]), torch.tensor([pos]), self.k_cache,
-                               self.v_cache, req.temperature, req.top_k, req.top_p, req.uniforms(), ctx)
+                               self.v_cache, req.temperature, req.top_k, req.top_p, req.uniforms(), ctx, req.variant)
         return [int(token.item())]
 
     def _stats(self) -> dict[str, Any]:

@@ -102,7 +102,7 @@ class SpeculativeDecoder(Decoder):
             b = self.buffers
             if self.is_chain:
                 tokens, q = draft_chain(self.draft, catch_tokens, n_catch, draft_len, dk, dv, D, temp, top_k, top_p,
-                                        req.uniforms(D), ctx_d)
+                                        req.uniforms(D), ctx_d, req.filtered)
             else:
                 tokens, q = draft_static_tree(self.draft, catch_tokens, n_catch, draft_len, dk, dv, self.template,
                                               ctx_d)
@@ -121,10 +121,10 @@ class SpeculativeDecoder(Decoder):
             res = accept_greedy(tokens, out.logits, paths)
         elif method == "rejection":
             res = accept_rejection(tokens, out.logits, q, children, req.uniforms(self.num_nodes + 1),
-                                   temp, top_k, top_p, max_depth=D)
+                                   temp, top_k, top_p, max_depth=D, filtered=req.filtered)
         else:
             res = accept_typical(tokens, out.logits, paths, temp, top_k, top_p,
-                                 self.config.posterior_threshold, self.config.posterior_alpha)
+                                 self.config.posterior_threshold, self.config.posterior_alpha, req.filtered)
         commit_path(self.k_cache, self.v_cache, out.new_k, out.new_v, res.node_ids, root)
         accepted = res.tokens[0].tolist()  # the step's one device→host read
         n = sum(t >= 0 for t in accepted) - 1

@@ -5,7 +5,7 @@ import torch
 import transformers
 from helpers import save_tiny
 
-from specair.graphs.sampling import logits_to_probs, sample, sample_from_probs
+from specair.graphs.sampling import logits_to_probs, sample, sample_from_probs, sampling_variant
 from specair.graphs.steps import decode_step, prefill_chunk
 from specair.models.checkpoint import load_checkpoint
 from specair.models.errors import InputError
@@ -125,3 +125,18 @@ def test_context_limits(tiny):
 def test_bad_sampling_params(bad):
     with pytest.raises(InputError):
         SamplingParams(**bad)
+
+
+def test_sampling_variants_agree_where_they_apply():
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    temps, ks, ps = torch.tensor([0.7, 1.0, 1.5], dtype=torch.float64), torch.zeros(3, dtype=torch.long), \
+        torch.ones(3, dtype=torch.float64)
+    assert torch.allclose(logits_to_probs(logits, temps, ks, ps), logits_to_probs(logits, temps, ks, ps, filtered=False),
+                          atol=1e-12)
+    u = torch.rand(3, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    assert torch.equal(sample(logits, temps, ks, ps, u, "plain"), sample(logits, temps, ks, ps, u, "filtered"))
+    zero = torch.zeros(3, dtype=torch.float64)
+    assert torch.equal(sample(logits, zero, ks, ps, u, "greedy"), logits.argmax(-1))
+    assert sampling_variant([0.0], [0], [1.0]) == "greedy"
+    assert sampling_variant([0.0, 0.5], [0, 0], [1.0, 1.0]) == "plain"
+    assert sampling_variant([0.5], [0], [0.9]) == "filtered"

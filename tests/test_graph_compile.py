@@ -1,0 +1,140 @@
+"""Every graph of a speculative step compiles with torch.compile(fullgraph=True, dynamic=False) with
+recompiles fatal (no graph breaks, no host syncs), matches eager, and keeps padded rows inert."""
+
+import functools
+
+import pytest
+import torch
+import torch._dynamo
+from helpers import save_tiny
+
+from specair.graphs.draft import draft_chain, draft_static_tree, draft_topk_tree
+from specair.graphs.kv import commit_path
+from specair.graphs.steps import decode_step, prefill_chunk
+from specair.graphs.tree import buffers_from_parents, get_template
+from specair.graphs.verify import expanded_verify, leaf_paths, tree_verify
+from specair.models.checkpoint import load_checkpoint
+from specair.models.llama import build_model
+
+B, SLOTS, CTX = 2, 192, 128
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    save_tiny("llama", path)
+    ckpt = load_checkpoint(path, progress=False)
+    return build_model(ckpt.config, ckpt.state_dict)
+
+
+@pytest.fixture(autouse=True)
+def strict_dynamo():
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        yield
+    torch._dynamo.reset()
+
+
+def filled_cache(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k, v = model.empty_cache(B, SLOTS)
+    return k.normal_(generator=g), v.normal_(generator=g)
+
+
+def clone(x):
+    return tuple(t.clone() for t in x)
+
+
+def assert_same(a, b, atol=1e-4):
+    a = a if isinstance(a, (tuple, list)) else (a,)
+    b = b if isinstance(b, (tuple, list)) else (b,)
+    for x, y in zip(a, b):
+        if x is None:
+            assert y is None
+        elif x.is_floating_point():
+            assert torch.allclose(x, y, atol=atol, rtol=1e-4)
+        else:
+            assert torch.equal(x, y)
+
+
+def run_both(fn, caches, args):
+    """Run fn eagerly and compiled (twice, new data: must not recompile) on copies of the caches."""
+    outs = []
+    torch._dynamo.reset()  # compiled partials share one wrapper frame; count recompiles per graph
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    for f in (fn, compiled):
+        kv = clone(caches)
+        outs.append((f(*args(kv)), kv))
+    kv = clone(caches)
+    compiled(*args(kv))  # same shapes, new buffers: no recompile allowed
+    assert_same(outs[0][0], outs[1][0])
+    assert_same(outs[0][1], outs[1][1])
+    return outs[0]
+
+
+SAMPLING = (torch.tensor([0.0, 0.8]), torch.tensor([0, 20]), torch.tensor([1.0, 0.9]))
+
+
+def test_prefill_and_decode_compile(model):
+    caches = filled_cache(model)
+    tokens = torch.randint(0, 256, (B, 16))
+    run_both(functools.partial(prefill_chunk, model, ctx=CTX), caches,
+             lambda kv: (tokens, torch.tensor([5, 40]), torch.tensor([16, 9]), *kv))
+    run_both(functools.partial(decode_step, model, ctx=CTX), caches,
+             lambda kv: (tokens[:, 0], torch.tensor([5, 40]), *kv, *SAMPLING, torch.tensor([0.3, 0.6])))
+
+
+@pytest.mark.parametrize("tree", ["chain", "kary:2x2", "mc_sim_7b_63"])
+def test_draft_and_verify_compile(model, tree):
+    tpl = get_template(None if tree == "chain" else tree, 3 if tree != "mc_sim_7b_63" else 4)
+    D = tpl.max_depth
+    caches = filled_cache(model)
+    catch = torch.randint(0, 256, (B, D + 1))
+    n_catch, draft_len = torch.tensor([2, D + 1]), torch.tensor([10, 50])
+    if tpl.max_width == 1:
+        def fn(*a):
+            return draft_chain(model, *a[:5], D, *a[5:], ctx=CTX)
+
+        u = torch.rand(B, D)
+        args = lambda kv: (catch, n_catch, draft_len, *kv, *SAMPLING, u)  # noqa: E731
+    else:
+        fn = functools.partial(draft_static_tree, model, template=tpl, ctx=CTX)
+        args = lambda kv: (catch, n_catch, draft_len, *kv)  # noqa: E731
+    (tokens, q), _ = run_both(fn, caches, args)
+    assert tokens.shape == (B, tpl.num_nodes) and q.shape == (B, tpl.num_nodes, 256)
+
+    buf = tpl.buffers()
+    root = torch.tensor([12, 60])
+    out, _ = run_both(functools.partial(tree_verify, model, ctx=CTX), caches,
+                      lambda kv: (tokens, buf.depth, buf.ancestor_mask.unsqueeze(0), root, *kv))
+    exp, _ = run_both(functools.partial(expanded_verify, model, ctx=CTX), caches,
+                      lambda kv: (tokens, *leaf_paths(buf.paths, buf.children), root, *kv))
+    for a, b in zip(out, exp):  # both scorers agree node by node
+        assert torch.allclose(a, b, atol=1e-4)
+    node_ids = torch.tensor([[0, 1] + [-1] * (D - 1), list(range(D + 1))]) if tpl.max_width == 1 else \
+        buf.paths[-1].unsqueeze(0).expand(B, -1).contiguous()
+    run_both(commit_path, caches, lambda kv: (*kv, out.new_k, out.new_v, node_ids, root))
+
+
+def test_topk_tree_draft_and_dynamic_buffers_compile(model):
+    caches = filled_cache(model)
+    catch = torch.randint(0, 256, (B, 5))
+    fn = functools.partial(draft_topk_tree, model, depth=4, topk=3, num_nodes=12, ctx=CTX)
+    (tokens, parents, q), _ = run_both(fn, caches, lambda kv: (catch, torch.tensor([1, 5]), torch.tensor([9, 30]), *kv))
+    assert tokens.shape == parents.shape == (B, 13) and (parents[:, 1:] < torch.arange(1, 13)).all()
+    torch._dynamo.reset()
+    compiled = torch.compile(functools.partial(buffers_from_parents, max_depth=4, max_width=3), fullgraph=True)
+    assert_same(tuple(compiled(parents)), tuple(buffers_from_parents(parents, 4, 3)))
+
+
+def test_padded_rows_do_not_change_real_rows(model):
+    """Row 0 alone vs row 0 next to a padding row with garbage tokens, lengths and cache."""
+    tpl = get_template("kary:2x2", 2)
+    buf = tpl.buffers()
+    k, v = filled_cache(model)
+    tokens = torch.randint(0, 256, (B, tpl.num_nodes))
+    root = torch.tensor([30, 0])
+    both = tree_verify(model, tokens, buf.depth, buf.ancestor_mask.unsqueeze(0), root, k, v, CTX)
+    alone = tree_verify(model, tokens[:1], buf.depth, buf.ancestor_mask.unsqueeze(0), root[:1], k[:, :1], v[:, :1], CTX)
+    assert torch.allclose(both.logits[:1], alone.logits, atol=1e-6)
+    assert torch.allclose(both.new_k[:, :1], alone.new_k, atol=1e-6)
