@@ -60,6 +60,8 @@ def main() -> None:
     model = build_model(ckpt.config, ckpt.state_dict)
     tok = ckpt.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Like --ignore-eos: EOS may be generated but does not stop (min_new_tokens would forbid it instead).
+    hf.generation_config.eos_token_id = None
     decoder = ReferenceDecoder(model, tok, max_context=2048)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
                for p in PROMPTS]
@@ -73,9 +75,10 @@ def main() -> None:
         x = torch.tensor([ids])
         with torch.no_grad():
             t0 = time.perf_counter()
-            hf.generate(x, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            hf.generate(x, max_new_tokens=1, do_sample=False)
             t1 = time.perf_counter()
-            out = hf.generate(x, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, do_sample=False)
+            out = hf.generate(x, max_new_tokens=args.max_tokens, do_sample=False)
+            assert out.shape[1] == len(ids) + args.max_tokens
             t2 = time.perf_counter()
         # Decode rate: the whole run minus a one-token run (prefill + first token).
         return (args.max_tokens - 1) / ((t2 - t1) - (t1 - t0)), out[0, len(ids):].tolist()
