@@ -86,7 +86,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q_dim, c.hidden_size, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_past: Tensor, v_past: Tensor,
-                mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                mask: Tensor, k_prev: Tensor | None, v_prev: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         G = H // Hkv
@@ -96,12 +96,14 @@ class Attention(nn.Module):
         v = v.view(B, T, Hkv, D).transpose(1, 2)
         # Group query heads by their KV head ([B, Hkv, G*T, D]) so GQA never repeats the cache.
         q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-        C = k_past.shape[2]
-        scores = torch.cat([q @ k_past.transpose(-1, -2), q @ k.transpose(-1, -2)], dim=-1)
-        scores = scores.view(B, Hkv, G, T, C + T) * (1.0 / math.sqrt(D)) + mask
+        k_new = k if k_prev is None else torch.cat([k_prev, k], dim=2)
+        v_new = v if v_prev is None else torch.cat([v_prev, v], dim=2)
+        C, N = k_past.shape[2], k_new.shape[2]
+        scores = torch.cat([q @ k_past.transpose(-1, -2), q @ k_new.transpose(-1, -2)], dim=-1)
+        scores = scores.view(B, Hkv, G, T, C + N) * (1.0 / math.sqrt(D)) + mask
         soft_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        p = scores.softmax(dim=-1, dtype=soft_dtype).to(x.dtype).view(B, Hkv, G * T, C + T)
-        out = p[..., :C] @ v_past + p[..., C:] @ v
+        p = scores.softmax(dim=-1, dtype=soft_dtype).to(x.dtype).view(B, Hkv, G * T, C + N)
+        out = p[..., :C] @ v_past + p[..., C:] @ v_new
         out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
         return self.wo(out), k, v
 
@@ -126,8 +128,8 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(c)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_past: Tensor, v_past: Tensor,
-                mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        a, k, v = self.attention(self.attention_norm(x), cos, sin, k_past, v_past, mask)
+                mask: Tensor, k_prev: Tensor | None, v_prev: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        a, k, v = self.attention(self.attention_norm(x), cos, sin, k_past, v_past, mask, k_prev, v_prev)
         x = x + a
         return x + self.feed_forward(self.ffn_norm(x)), k, v
 
@@ -165,26 +167,29 @@ class Transformer(nn.Module):
         v_cache: Tensor,
         tree_mask: Tensor | None = None,
         logits_index: Tensor | None = None,
-        past_mask: Tensor | None = None,
+        prev_k: Tensor | None = None,
+        prev_v: Tensor | None = None,
     ) -> ModelOutput:
-        """Run T new tokens per row against the committed prefix.
+        """Run T new tokens per row against the committed prefix (and, optionally, earlier tokens of
+        the same step that are not in the cache).
 
         tokens, positions: [B, T] int64; cache_len: [B] committed tokens per row (cache slots
         0..cache_len-1 are valid); k_cache, v_cache: [L, B, Hkv, C, D], the cache sliced to a context
-        bucket C; tree_mask: [B or 1, T, T] bool, which new tokens each new token sees (causal when
-        None; a token tree passes its ancestor mask); logits_index: [B, n] positions in T whose
-        logits are wanted (all T when None); past_mask: [B, T, C] bool, which cache slots each new
-        token sees, replacing `slot < cache_len` (a draft tree reads its ancestors' scratch slots).
+        bucket C; prev_k, prev_v: [L, B, Hkv, E, D], K/V of E earlier tokens of this step (a draft
+        loop's catch-up and drafted nodes); tree_mask: [B or 1, T, E+T] bool, which of those E and the
+        T new tokens each new token sees (causal over T when None); logits_index: [B, n] positions in
+        T whose logits are wanted (all T when None).
         """
         B, T = tokens.shape
         C = k_cache.shape[3]
         x = self.tok_embeddings(tokens)
         cos = self.rope_cos[positions].unsqueeze(2)
         sin = self.rope_sin[positions].unsqueeze(2)
-        mask = self._mask(positions, cache_len, C, tree_mask, past_mask, x.dtype)
+        mask = self._mask(positions, cache_len, C, tree_mask, x.dtype)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, k_cache[i], v_cache[i], mask)
+            x, k, v = layer(x, cos, sin, k_cache[i], v_cache[i], mask,
+                            None if prev_k is None else prev_k[i], None if prev_v is None else prev_v[i])
             new_k.append(k)
             new_v.append(v)
         hidden = self.norm(x)
@@ -194,18 +199,21 @@ class Transformer(nn.Module):
         return ModelOutput(self.lm_head(picked), hidden, torch.stack(new_k), torch.stack(new_v))
 
     def _mask(self, positions: Tensor, cache_len: Tensor, C: int, tree_mask: Tensor | None,
-              past_mask: Tensor | None, dtype: torch.dtype) -> Tensor:
-        """Additive mask [B, 1, 1, T, C+T]: committed slots < cache_len, then the tree (or causal) mask."""
+              dtype: torch.dtype) -> Tensor:
+        """Additive mask [B, 1, 1, T, C+E+T]: committed slots < cache_len, then the tree (or causal) mask."""
         B, T = positions.shape
         slots = torch.arange(C, device=positions.device)
-        past = slots.view(1, 1, C) < cache_len.view(-1, 1, 1) if past_mask is None else past_mask
+        past = slots.view(1, 1, C) < cache_len.view(-1, 1, 1)
         if tree_mask is None:
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril().unsqueeze(0)
-        new = tree_mask.expand(B, T, T)
+        new = tree_mask.expand(B, T, tree_mask.shape[-1])
         window = self.config.sliding_window
         if window is not None:
+            # Slot index = position for committed tokens; this step's tokens are all inside the window
+            # of each other whenever the lookahead is shorter than the window.
             past = past & (positions.unsqueeze(-1) - slots.view(1, 1, C) < window)
-            new = new & (positions.unsqueeze(-1) - positions.unsqueeze(1) < window)
+            if new.shape[-1] == T:
+                new = new & (positions.unsqueeze(-1) - positions.unsqueeze(1) < window)
         allowed = torch.cat([past.expand(B, T, C), new], dim=-1)
         neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=positions.device)
         zero = torch.zeros((), dtype=dtype, device=positions.device)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from specair.graphs.sampling import sample, sampling_variant
+from specair.graphs.kv import commit_kv
 from specair.graphs.steps import decode_step, prefill_chunk
 from specair.models.errors import InputError
 from specair.models.llama import Transformer
@@ -104,8 +105,9 @@ class Decoder:
             tokens = torch.zeros(1, self.chunk, dtype=torch.long)
             tokens[0, :len(piece)] = torch.tensor(piece)
             ctx = context_bucket(start + self.chunk, self.slots)
-            logits, _ = prefill_chunk(model, tokens, torch.tensor([start]), torch.tensor([len(piece)]),
-                                      k_cache, v_cache, ctx)
+            logits, _, new_k, new_v = prefill_chunk(model, tokens, torch.tensor([start]), torch.tensor([len(piece)]),
+                                                    k_cache, v_cache, ctx)
+            commit_kv(k_cache, v_cache, new_k, new_v, torch.arange(start, start + self.chunk).unsqueeze(0))
         return logits
 
     def _start(self, ids: list[int], req: Request) -> int:
@@ -121,8 +123,10 @@ class Decoder:
         """One autoregressive target step."""
         pos = len(seq) - 1
         ctx = context_bucket(pos + 1, self.slots)
-        token, _ = decode_step(self.model, torch.tensor([seq[-1]]), torch.tensor([pos]), self.k_cache,
-                               self.v_cache, req.temperature, req.top_k, req.top_p, req.uniforms(), ctx, req.variant)
+        token, _, new_k, new_v = decode_step(self.model, torch.tensor([seq[-1]]), torch.tensor([pos]), self.k_cache,
+                                             self.v_cache, req.temperature, req.top_k, req.top_p, req.uniforms(), ctx,
+                                             req.variant)
+        commit_kv(self.k_cache, self.v_cache, new_k, new_v, torch.tensor([[pos]]))
         return [int(token.item())]
 
     def _stats(self) -> dict[str, Any]:

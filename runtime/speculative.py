@@ -10,7 +10,7 @@ import torch
 
 from specair.graphs.acceptance import accept_greedy, accept_rejection, accept_typical
 from specair.graphs.draft import draft_chain, draft_static_tree, draft_topk_tree
-from specair.graphs.kv import commit_path
+from specair.graphs.kv import commit_kv, commit_path
 from specair.graphs.tree import buffers_from_parents, get_template
 from specair.graphs.verify import expanded_verify, leaf_paths, tree_verify
 from specair.models.errors import InputError
@@ -42,9 +42,10 @@ class SpeculativeDecoder(Decoder):
         self.topk_tree = parse_topk_tree(tree) if isinstance(tree, str) and tree.startswith("topk:") else None
         if self.topk_tree:
             K, N = self.topk_tree
-            self.depth, self.num_nodes, scratch = k, N + 1, 1 + K + (k - 1) * K * K
-            if not 1 <= N < scratch:
-                raise InputError(f"tree topk:{K}x{N} keeps {N} nodes but creates only {scratch - 1} at depth {k}")
+            self.depth, self.num_nodes = k, N + 1
+            created = K + (k - 1) * K * K
+            if not 1 <= N <= created:
+                raise InputError(f"tree topk:{K}x{N} keeps {N} nodes but creates only {created} at depth {k}")
             if config.scorer != "tree":
                 raise InputError("the batch-expansion scorer needs a static tree, not a per-row topk tree")
         else:
@@ -55,16 +56,17 @@ class SpeculativeDecoder(Decoder):
             self.depth, self.num_nodes = self.template.max_depth, self.template.num_nodes
             if self.depth != k:
                 raise InputError(f"tree {tree!r} has depth {self.depth}; set num_speculative_tokens to {self.depth}")
-            scratch = self.num_nodes
             self.buffers = self.template.buffers()
             self.is_chain = self.template.max_width == 1
             if config.scorer == "batch_expansion":
                 self.leaves = leaf_paths(self.buffers.paths, self.buffers.children)
-        self.scratch = scratch
-        super().__init__(model, tokenizer, max_context, prefill_chunk_size, spare_slots=scratch + self.depth + 2)
+        # Commits reach D slots past the root: the draft's catch-up and the verified path.
+        super().__init__(model, tokenizer, max_context, prefill_chunk_size, spare_slots=self.depth + 1)
         self.draft_caches = draft.empty_cache(1, self.slots)
 
     def _start(self, ids: list[int], req: Request) -> int:
+        if self.config.acceptance == "greedy" and not req.greedy:
+            raise InputError("acceptance 'greedy' needs temperature 0; use 'rejection' to sample exactly")
         D = self.depth
         self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                       "accepted_per_position": [0] * D}
@@ -89,35 +91,34 @@ class SpeculativeDecoder(Decoder):
         catch_tokens[0, :len(catch)] = torch.tensor(catch)
         n_catch, draft_len, root = torch.tensor([len(catch)]), torch.tensor([self.draft_len]), torch.tensor([root_pos])
         dk, dv = self.draft_caches
-        ctx_d = context_bucket(root_pos + 1 + self.scratch, self.slots)
-        ctx_t = context_bucket(root_pos + 1, self.slots)
+        ctx = context_bucket(root_pos + 1, self.slots)  # both models read only committed slots
         temp, top_k, top_p = req.temperature, req.top_k, req.top_p
 
         if self.topk_tree:
             K, N = self.topk_tree
-            tokens, parents, q = draft_topk_tree(self.draft, catch_tokens, n_catch, draft_len, dk, dv, D, K, N, ctx_d)
+            tokens, parents, q, ck, cv = draft_topk_tree(self.draft, catch_tokens, n_catch, draft_len, dk, dv, D, K, N,
+                                                         ctx)
             buf = buffers_from_parents(parents, D, K)
             depth, mask, children, paths = buf.depth, buf.ancestor_mask, buf.children, buf.paths
         else:
             b = self.buffers
             if self.is_chain:
-                tokens, q = draft_chain(self.draft, catch_tokens, n_catch, draft_len, dk, dv, D, temp, top_k, top_p,
-                                        req.uniforms(D), ctx_d, req.filtered)
+                tokens, q, ck, cv = draft_chain(self.draft, catch_tokens, n_catch, draft_len, dk, dv, D, temp, top_k,
+                                                top_p, req.uniforms(D), ctx, req.filtered)
             else:
-                tokens, q = draft_static_tree(self.draft, catch_tokens, n_catch, draft_len, dk, dv, self.template,
-                                              ctx_d)
+                tokens, q, ck, cv = draft_static_tree(self.draft, catch_tokens, n_catch, draft_len, dk, dv,
+                                                      self.template, ctx)
             depth, mask = b.depth, b.ancestor_mask.unsqueeze(0)
             children, paths = b.children.unsqueeze(0), b.paths.unsqueeze(0)
+        commit_kv(dk, dv, ck, cv, draft_len.unsqueeze(1) + torch.arange(D + 1))
 
         if self.config.scorer == "batch_expansion":
-            out = expanded_verify(self.model, tokens, *self.leaves, root, self.k_cache, self.v_cache, ctx_t)
+            out = expanded_verify(self.model, tokens, *self.leaves, root, self.k_cache, self.v_cache, ctx)
         else:
-            out = tree_verify(self.model, tokens, depth, mask, root, self.k_cache, self.v_cache, ctx_t)
+            out = tree_verify(self.model, tokens, depth, mask, root, self.k_cache, self.v_cache, ctx)
 
         method = self.config.acceptance
         if method == "greedy" or (method == "rejection" and req.greedy):
-            if not req.greedy:
-                raise InputError("acceptance 'greedy' needs temperature 0; use 'rejection' to sample exactly")
             res = accept_greedy(tokens, out.logits, paths)
         elif method == "rejection":
             res = accept_rejection(tokens, out.logits, q, children, req.uniforms(self.num_nodes + 1),

@@ -1,5 +1,6 @@
 """Every graph of a speculative step compiles with torch.compile(fullgraph=True, dynamic=False) with
-recompiles fatal (no graph breaks, no host syncs), matches eager, and keeps padded rows inert."""
+recompiles fatal (no graph breaks, no host syncs), matches eager, leaves the caches untouched (graphs
+are pure; only the commits write), and keeps padded rows inert."""
 
 import functools
 
@@ -69,6 +70,8 @@ def run_both(fn, caches, args):
     compiled(*args(kv))  # same shapes, new buffers: no recompile allowed
     assert_same(outs[0][0], outs[1][0])
     assert_same(outs[0][1], outs[1][1])
+    if fn is not commit_path:
+        assert_same(outs[0][1], caches)
     return outs[0]
 
 
@@ -100,7 +103,8 @@ def test_draft_and_verify_compile(model, tree):
     else:
         fn = functools.partial(draft_static_tree, model, template=tpl, ctx=CTX)
         args = lambda kv: (catch, n_catch, draft_len, *kv)  # noqa: E731
-    (tokens, q), _ = run_both(fn, caches, args)
+    (tokens, q, ck, cv), _ = run_both(fn, caches, args)
+    assert ck.shape[3] == D + 1
     assert tokens.shape == (B, tpl.num_nodes) and q.shape == (B, tpl.num_nodes, 256)
 
     buf = tpl.buffers()
@@ -120,7 +124,8 @@ def test_topk_tree_draft_and_dynamic_buffers_compile(model):
     caches = filled_cache(model)
     catch = torch.randint(0, 256, (B, 5))
     fn = functools.partial(draft_topk_tree, model, depth=4, topk=3, num_nodes=12, ctx=CTX)
-    (tokens, parents, q), _ = run_both(fn, caches, lambda kv: (catch, torch.tensor([1, 5]), torch.tensor([9, 30]), *kv))
+    (tokens, parents, q, _, _), _ = run_both(fn, caches,
+                                             lambda kv: (catch, torch.tensor([1, 5]), torch.tensor([9, 30]), *kv))
     assert tokens.shape == parents.shape == (B, 13) and (parents[:, 1:] < torch.arange(1, 13)).all()
     torch._dynamo.reset()
     compiled = torch.compile(functools.partial(buffers_from_parents, max_depth=4, max_width=3), fullgraph=True)

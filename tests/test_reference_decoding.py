@@ -6,6 +6,7 @@ import transformers
 from helpers import save_tiny
 
 from specair.graphs.sampling import logits_to_probs, sample, sample_from_probs, sampling_variant
+from specair.graphs.kv import commit_kv
 from specair.graphs.steps import decode_step, prefill_chunk
 from specair.models.checkpoint import load_checkpoint
 from specair.models.errors import InputError
@@ -32,11 +33,13 @@ def test_kv_cache_decoding_equals_full_recomputation(tiny, dtype, tol):
     k, v = model.empty_cache(1, 128 + 16)
     with torch.no_grad():
         full = model(seq, torch.arange(60)[None], torch.zeros(1, dtype=torch.long), k, v).logits[0]
-        logits, _ = prefill_chunk(model, seq[:, :20], torch.tensor([0]), torch.tensor([20]), k, v, ctx=64)
+        logits, _, nk, nv = prefill_chunk(model, seq[:, :20], torch.tensor([0]), torch.tensor([20]), k, v, ctx=64)
+        commit_kv(k, v, nk, nv, torch.arange(20)[None])
         assert (logits[0] - full[19]).abs().max() <= tol
         for t in range(20, 60):
             greedy = [x.to(dtype) if x.is_floating_point() else x for x in GREEDY]
-            _, logits = decode_step(model, seq[:, t], torch.tensor([t]), k, v, *greedy, ctx=64)
+            _, logits, nk, nv = decode_step(model, seq[:, t], torch.tensor([t]), k, v, *greedy, ctx=64)
+            commit_kv(k, v, nk, nv, torch.tensor([[t]]))
             assert (logits[0] - full[t]).abs().max() <= tol, t
 
 
