@@ -3,7 +3,7 @@
 Runs both engines interleaved prompt by prompt in one process after a warm-up, greedy, batch 1, and
 prints tokens/s, their ratio and the memory-bandwidth floor (weight bytes / measured bandwidth).
 
-    python benchmarks/reference_decode.py [--model PATH] [--max-tokens 128] [--rounds 3] [--threads N]
+    python benchmarks/reference_decode.py [--model PATH] [--max-tokens 128] [--rounds 3] [--threads N] [--profile]
 """
 
 from __future__ import annotations
@@ -43,6 +43,30 @@ def measure_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
     return nbytes / best
 
 
+def profile_decode_step(model, steps: int = 10) -> dict:
+    """Where one greedy decode step's time goes: all ops vs the matrix multiplies (torch.profiler)."""
+    from torch.profiler import profile
+
+    from specair.graphs.steps import decode_step
+
+    k, v = model.empty_cache(1, 256)
+    args = (torch.tensor([5]), torch.tensor([100]), k, v, torch.zeros(1), torch.zeros(1, dtype=torch.long),
+            torch.ones(1), torch.zeros(1))
+    with torch.inference_mode():
+        for _ in range(3):
+            decode_step(model, *args, ctx=128, variant="greedy")
+        t = time.perf_counter()
+        for _ in range(steps):
+            decode_step(model, *args, ctx=128, variant="greedy")
+        wall = (time.perf_counter() - t) / steps
+        with profile() as prof:
+            for _ in range(steps):
+                decode_step(model, *args, ctx=128, variant="greedy")
+    events = prof.key_averages()
+    mm = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm")) / steps / 1e3
+    return {"step_ms": wall * 1e3, "matmul_ms": mm, "ops_per_step": sum(e.count for e in events) / steps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF checkpoint dir (default: the converted default model)")
@@ -50,6 +74,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--profile", action="store_true", help="also break one decode step down (torch.profiler)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,6 +131,9 @@ def main() -> None:
     }
     result["ratio_specair_over_transformers"] = result["specair_decode_tok_s"] / result["transformers_decode_tok_s"]
     result["fraction_of_bandwidth_floor"] = result["specair_decode_tok_s"] / result["bandwidth_floor_tok_s"]
+    result["floor_ms_per_token"] = 1e3 / result["bandwidth_floor_tok_s"]
+    if args.profile:
+        result["decode_step_profile"] = profile_decode_step(model)
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:
