@@ -23,7 +23,7 @@ from specair.models.checkpoint import load_checkpoint
 from specair.models.llama import build_model, truncated
 from specair.runtime.params import SamplingParams
 from specair.runtime.reference import ReferenceDecoder
-from specair.runtime.spec_config import SpeculativeConfig
+from specair.compile.spec_config import SpeculativeConfig
 from specair.runtime.speculative import SpeculativeDecoder
 
 PROMPTS = [

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from specair.graphs.sampling import request_probs, sample_from_probs
 from specair.graphs.steps import prefill_chunk
-from specair.graphs.tree import TreeTemplate
+from specair.graphs.tree import TreeBuffers, TreeTemplate
 from specair.models.llama import Transformer
 
 
@@ -77,16 +77,18 @@ def draft_chain(draft: Transformer, catch_tokens: Tensor, n_catch: Tensor, draft
 
 
 def draft_static_tree(draft: Transformer, catch_tokens: Tensor, n_catch: Tensor, draft_len: Tensor,
-                      k_cache: Tensor, v_cache: Tensor, template: TreeTemplate,
-                      ctx: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      k_cache: Tensor, v_cache: Tensor, template: TreeTemplate, ctx: int,
+                      buffers: TreeBuffers | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Fill a static tree template level by level: node i is the ranks[i]-th most likely token of the
     draft at its parent. One draft pass per level (the last level is never fed).
 
+    `buffers`: the template's buffers on the graph's device (default: on the CPU).
     Returns tree tokens [B, T], one-hot draft_probs [B, T, V] and the catch-up's K/V.
     """
     s = _Step(draft, catch_tokens, n_catch, draft_len, k_cache, v_cache, ctx)
     B, V = s.logits.shape
-    buf = template.buffers()
+    buf = buffers or template.buffers()
+    parents, ranks, anc = buf.parents, buf.ranks, buf.ancestor_mask
     T, width = template.num_nodes, max(template.ranks) + 1
     tokens = s.root.new_zeros(B, T)
     tokens[:, 0] = s.root
@@ -94,12 +96,12 @@ def draft_static_tree(draft: Transformer, catch_tokens: Tensor, n_catch: Tensor,
     node_logits[:, 0] = s.logits
     for d in range(1, len(buf.levels)):
         nodes = buf.levels[d]
-        cand = node_logits[:, buf.parents[nodes]].topk(width, dim=-1).indices  # [B, F, width]
-        tokens[:, nodes] = cand.gather(2, buf.ranks[nodes].view(1, -1, 1).expand(B, -1, 1)).squeeze(2)
+        cand = node_logits[:, parents[nodes]].topk(width, dim=-1).indices  # [B, F, width]
+        tokens[:, nodes] = cand.gather(2, ranks[nodes].view(1, -1, 1).expand(B, -1, 1)).squeeze(2)
         if d + 1 < len(buf.levels):
             # BFS order: the nodes fed so far are ids 1..first-1, in order, after the catch-up.
             first = sum(level.shape[0] for level in buf.levels[:d])
-            sees = buf.ancestor_mask[nodes, 1:first].unsqueeze(0).expand(B, -1, -1)
+            sees = anc[nodes, 1:first].unsqueeze(0).expand(B, -1, -1)
             node_logits[:, nodes] = s.feed(tokens[:, nodes], d, sees)
     return tokens, F.one_hot(tokens, V).to(s.logits.dtype), s.catch_k, s.catch_v
 

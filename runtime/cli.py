@@ -5,31 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any, Iterator
 
 import torch
 
 from specair.models.errors import InputError, SpecairError
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def load(model_path: str | None, dtype: str) -> tuple[Any, Any]:
-    """The model and its tokenizer (None for checkpoints without one) from a path, or the default model."""
-    from specair.models.checkpoint import load_checkpoint
-    from specair.models.llama import build_model
-
-    t0 = time.perf_counter()
-    ckpt = load_checkpoint(model_path, dtype=DTYPES[dtype])
-    model = build_model(ckpt.config, ckpt.state_dict, DTYPES[dtype])
-    log(f"loaded {ckpt.source} ({ckpt.config.model_type}, {ckpt.config.num_layers} layers, {dtype}) "
-        f"in {time.perf_counter() - t0:.1f}s")
-    return model, ckpt.tokenizer
+from specair.runtime.build import DTYPES, log
 
 
 def read_prompts(args: argparse.Namespace, tokenizer: Any) -> Iterator[list[int]]:
@@ -82,46 +64,24 @@ def _read_jsonl(path: str) -> Iterator[dict]:
         yield rec
 
 
-def make_decoder(model: Any, tokenizer: Any, spec_json: str | None, dtype: str, max_context: int | None) -> Any:
-    """The reference decoder, or a speculative one as --speculative-config describes."""
-    from specair.runtime.reference import ReferenceDecoder
-
-    if spec_json is None:
-        return ReferenceDecoder(model, tokenizer, max_context=max_context)
-    from specair.models.llama import truncated
-    from specair.runtime.spec_config import SpeculativeConfig
-    from specair.runtime.speculative import SpeculativeDecoder
-
-    spec = SpeculativeConfig.parse(spec_json)
-    if spec.method == "layer_skip":
-        draft = truncated(model, spec.num_layers)
-    else:
-        draft, draft_tok = load(spec.model, dtype)
-        if tokenizer is not None and draft_tok is not None and tokenizer.backend.get_vocab() != draft_tok.backend.get_vocab():
-            raise InputError(f"the draft model {spec.model} has a different tokenizer than the target; "
-                             "a draft must share the target's vocabulary")
-    log(f"speculating with {spec.method} (k={spec.num_speculative_tokens}, tree={spec.tree or 'chain'}, "
-        f"acceptance={spec.acceptance})")
-    return SpeculativeDecoder(model, draft, spec, tokenizer, max_context=max_context)
-
-
 def cmd_generate(args: argparse.Namespace) -> None:
+    from specair.runtime.build import open_decoder, parse_spec
     from specair.runtime.params import SamplingParams
-    from specair.runtime.spec_config import SpeculativeConfig
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    if args.speculative_config is not None:
-        SpeculativeConfig.parse(args.speculative_config)  # fail on a bad config before loading anything
-    model, tokenizer = load(args.model, args.dtype)
-    decoder = make_decoder(model, tokenizer, args.speculative_config, args.dtype, args.max_context)
+    parse_spec(args.speculative_config)  # fail on a bad config before loading anything
+    decoder = open_decoder(args.model, args.dtype, args.speculative_config, args.backend, args.artifacts,
+                           args.max_context, args.threads)
+    tokenizer = decoder.tokenizer
     for ids in read_prompts(args, tokenizer):
         for event in decoder.stream(ids, params):
             if not args.json:
                 print(event.text, end="", flush=True)
         res = event.result
         if args.json:
-            print(json.dumps(res.to_json(), ensure_ascii=False), flush=True)
+            print(json.dumps({**res.to_json(), "backend": decoder.graphs.backend.name}, ensure_ascii=False),
+                  flush=True)
         else:
             print(flush=True)
             spec = res.extra.get("spec")
@@ -131,11 +91,40 @@ def cmd_generate(args: argparse.Namespace) -> None:
                 f"{res.decode_tokens_per_s:.1f} tok/s decode{tau} | finish: {res.finish_reason}]")
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def cmd_compile(args: argparse.Namespace) -> None:
+    from specair.runtime.build import compile_plan
+
+    compile_plan(args.model, args.dtype, args.speculative_config, args.backend, args.out, args.buckets,
+                 args.max_context, tuple(v for v in args.variants.split(",") if v), args.prefill_chunk, args.threads)
+
+
+def cmd_check_onnx(args: argparse.Namespace) -> int:
+    from specair.compile.onnx_ops import main_check_onnx
+
+    return main_check_onnx(args.files)
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="HF checkpoint dir, GGUF file or llama2.c .bin (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help='e.g. \'{"method": "layer_skip", "num_layers": 8, "num_speculative_tokens": 4}\'')
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--max-context", type=int, help="tokens of context to allocate (default: the model's)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch and onnxruntime")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specair", description="Speculative decoding as ahead-of-time compiled graphs.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for one or more prompts")
-    g.add_argument("--model", help="HF checkpoint dir, GGUF file or llama2.c .bin (default: SmolLM2-135M-Instruct)")
+    _model_options(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts", metavar="FILE.jsonl", help='one {"prompt": ...} or {"messages": [...]} per line')
@@ -148,13 +137,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    g.add_argument("--max-context", type=int, help="tokens of context to allocate (default: the model's)")
-    g.add_argument("--threads", type=int, help="CPU threads for torch")
-    g.add_argument("--speculative-config", metavar="JSON",
-                   help='e.g. \'{"method": "layer_skip", "num_layers": 8, "num_speculative_tokens": 4}\'')
+    g.add_argument("--backend", help="compile graphs with this backend as they are first needed (default eager)")
+    g.add_argument("--artifacts", metavar="DIR", help="run from a `specair compile` directory, compiling nothing")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt on stdout")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("compile", help="compile every graph of a bucket plan ahead of time")
+    _model_options(c)
+    c.add_argument("--backend", required=True, help="eager, inductor, aoti, onnx, cuda or npu")
+    c.add_argument("--out", required=True, metavar="DIR", help="artifact directory to write")
+    c.add_argument("--buckets", type=_int_list, default=(1, 2, 4, 8), help="batch buckets (default 1,2,4,8)")
+    c.add_argument("--variants", default="greedy,filtered",
+                   help="sampling graph variants among greedy,plain,filtered (default greedy,filtered)")
+    c.add_argument("--prefill-chunk", type=int, default=128)
+    c.set_defaults(func=cmd_compile)
+
+    o = sub.add_parser("check-onnx", help="report anything in ONNX files that Ascend ATC would not accept")
+    o.add_argument("files", nargs="+")
+    o.set_defaults(func=cmd_check_onnx)
     return p
 
 
@@ -163,13 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     try:
-        args.func(args)
+        rc = args.func(args)
     except SpecairError as e:
         log(f"specair: error: {e}")
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return rc or 0
 
 
 if __name__ == "__main__":

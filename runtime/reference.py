@@ -1,4 +1,4 @@
-"""Eager decoding of one sequence at a time over static, preallocated KV caches.
+"""Decoding of one sequence at a time over static, preallocated KV caches.
 
 `Decoder` owns what every decoding method shares (prompt checks, chunked prefill, stop conditions,
 text streaming, timing); `ReferenceDecoder` is plain autoregressive decoding, the baseline every
@@ -14,14 +14,16 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from specair.graphs.sampling import sample, sampling_variant
+from specair.compile.artifacts import GraphSet
+from specair.compile.backends import get_backend
+from specair.compile.catalog import Catalog
+from specair.compile.plan import VARIANTS, Plan
+from specair.compile.spec_config import SpeculativeConfig
 from specair.graphs.kv import commit_kv
-from specair.graphs.steps import decode_step, prefill_chunk
+from specair.graphs.sampling import sample, sampling_variant
 from specair.models.errors import InputError
 from specair.models.llama import Transformer
 from specair.runtime.params import GenerationResult, SamplingParams, TextAssembler
-
-MIN_CONTEXT_BUCKET = 64
 
 
 @dataclass
@@ -31,14 +33,6 @@ class StreamEvent:
     text: str
     token_ids: list[int]
     result: GenerationResult | None = None
-
-
-def context_bucket(needed: int, slots: int) -> int:
-    """The smallest power of two (>= MIN_CONTEXT_BUCKET) holding `needed` slots, capped at the cache size."""
-    bucket = MIN_CONTEXT_BUCKET
-    while bucket < needed:
-        bucket *= 2
-    return min(bucket, slots)
 
 
 class Request:
@@ -66,17 +60,27 @@ class Request:
 
 
 class Decoder:
-    """Shared decoding loop; subclasses implement `_start` (after the prompt) and `_step` (more tokens)."""
+    """Shared decoding loop; subclasses implement `_start` (after the prompt) and `_step` (more tokens).
+
+    Every graph runs through a GraphSet by key, so the same loop serves eager graphs, graphs compiled
+    on first use, and precompiled artifacts.
+    """
 
     def __init__(self, model: Transformer, tokenizer: Any = None, max_context: int | None = None,
-                 prefill_chunk_size: int = 128, spare_slots: int = 0) -> None:
+                 prefill_chunk_size: int = 128, *, draft: Transformer | None = None,
+                 speculative: SpeculativeConfig | None = None, backend: str = "eager",
+                 graphs: GraphSet | None = None) -> None:
         cfg = model.config
-        self.model, self.tokenizer = model, tokenizer
-        self.max_context = min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.chunk = prefill_chunk_size
-        # Spare slots past the context take a padded prefill chunk's K/V and speculative scratch.
-        self.slots = self.max_context + max(self.chunk, spare_slots)
-        self.k_cache, self.v_cache = model.empty_cache(1, self.slots)
+        self.model, self.tokenizer, self.draft = model, tokenizer, draft
+        if graphs is None:
+            plan = Plan(max_context=min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings),
+                        batch_buckets=(1,), prefill_chunk=prefill_chunk_size, variants=VARIANTS,
+                        speculative=speculative)
+            graphs = GraphSet(Catalog(model, plan, draft), get_backend(backend), None, lazy=True)
+        self.graphs, self.plan, self.catalog = graphs, graphs.plan, graphs.catalog
+        self.max_context, self.chunk = self.plan.max_context, self.plan.prefill_chunk
+        with torch.inference_mode():  # like every graph input: compiled graphs guard on the tensor kind
+            self.k_cache, self.v_cache = model.empty_cache(1, self.plan.slots)
         eos = set(cfg.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.eos_ids = frozenset(eos)
 
@@ -94,19 +98,17 @@ class Decoder:
                              f"(prompt plus at least one generated token)")
         return ids
 
-    def prefill(self, ids: list[int], model: Transformer | None = None,
-                caches: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """Run ids through a model (the target by default) in fixed-size chunks; return the last logits [1, V]."""
-        model = model or self.model
-        k_cache, v_cache = caches or (self.k_cache, self.v_cache)
+    def prefill(self, ids: list[int], role: str = "target") -> Tensor:
+        """Run ids through the target (or the draft) in fixed-size chunks; return the last logits [1, V]."""
+        k_cache, v_cache = (self.k_cache, self.v_cache) if role == "target" else self.draft_caches
         logits = None
         for start in range(0, len(ids), self.chunk):
             piece = ids[start:start + self.chunk]
             tokens = torch.zeros(1, self.chunk, dtype=torch.long)
             tokens[0, :len(piece)] = torch.tensor(piece)
-            ctx = context_bucket(start + self.chunk, self.slots)
-            logits, _, new_k, new_v = prefill_chunk(model, tokens, torch.tensor([start]), torch.tensor([len(piece)]),
-                                                    k_cache, v_cache, ctx)
+            key = self.catalog.key(f"prefill.{role}", 1, self.plan.context_bucket(max(start, 1)))
+            logits, _, new_k, new_v = self.graphs(key, tokens, torch.tensor([start]), torch.tensor([len(piece)]),
+                                                  k_cache, v_cache)
             commit_kv(k_cache, v_cache, new_k, new_v, torch.arange(start, start + self.chunk).unsqueeze(0))
         return logits
 
@@ -122,10 +124,9 @@ class Decoder:
     def _decode_one(self, seq: list[int], req: Request) -> list[int]:
         """One autoregressive target step."""
         pos = len(seq) - 1
-        ctx = context_bucket(pos + 1, self.slots)
-        token, _, new_k, new_v = decode_step(self.model, torch.tensor([seq[-1]]), torch.tensor([pos]), self.k_cache,
-                                             self.v_cache, req.temperature, req.top_k, req.top_p, req.uniforms(), ctx,
-                                             req.variant)
+        key = self.catalog.key("decode", 1, self.plan.context_bucket(pos), self.plan.variant_for(req.variant))
+        token, _, new_k, new_v = self.graphs(key, torch.tensor([seq[-1]]), torch.tensor([pos]), self.k_cache,
+                                             self.v_cache, req.temperature, req.top_k, req.top_p, req.uniforms())
         commit_kv(self.k_cache, self.v_cache, new_k, new_v, torch.tensor([[pos]]))
         return [int(token.item())]
 

@@ -13,7 +13,7 @@ from specair.models.llama import build_model, truncated
 from specair.runtime.detokenize import IncrementalDetokenizer
 from specair.runtime.params import SamplingParams, TextAssembler
 from specair.runtime.reference import ReferenceDecoder
-from specair.runtime.spec_config import SpeculativeConfig
+from specair.compile.spec_config import SpeculativeConfig
 from specair.runtime.speculative import SpeculativeDecoder
 
 CHATS = [

@@ -9,7 +9,7 @@ from specair.models.errors import InputError
 from specair.models.llama import build_model, truncated
 from specair.runtime.params import SamplingParams
 from specair.runtime.reference import ReferenceDecoder
-from specair.runtime.spec_config import SpeculativeConfig
+from specair.compile.spec_config import SpeculativeConfig
 from specair.runtime.speculative import SpeculativeDecoder
 
 TREES = [  # (tree, num_speculative_tokens)

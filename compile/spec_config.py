@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from specair.graphs.tree import TreeTemplate, get_template
 from specair.models.errors import InputError
 
 METHODS = ("draft_model", "layer_skip")
@@ -57,4 +58,43 @@ class SpeculativeConfig:
         for key in ("posterior_threshold", "posterior_alpha"):
             if key in spec and not (isinstance(spec[key], (int, float)) and spec[key] > 0):
                 raise InputError(f"'{key}' must be a positive number")
-        return cls(**spec)
+        config = cls(**spec)
+        tree_shape(config)  # validate the tree now, not at the first step
+        return config
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """The static shape of a speculative step's tree, resolved from a config's `tree` and lookahead."""
+
+    kind: str  # "chain" (sampled draft chain), "static" (a template filled with top-k), "topk" (per-row dynamic)
+    depth: int  # D: draft tokens on the longest path
+    num_nodes: int  # T: nodes including the root
+    max_width: int  # W: most children of one node
+    template: TreeTemplate | None = None
+    topk: int = 0  # K candidates per expansion ("topk" trees)
+
+
+def tree_shape(config: SpeculativeConfig) -> TreeShape:
+    """Resolve and validate the tree of a speculative config (raises InputError)."""
+    k, tree = config.num_speculative_tokens, config.tree
+    if isinstance(tree, str) and tree.startswith("topk:"):
+        try:
+            K, N = (int(x) for x in tree.split(":", 1)[1].lower().split("x"))
+        except ValueError:
+            raise InputError(f"tree {tree!r}: expected 'topk:KxN', e.g. 'topk:4x16'") from None
+        created = K + (k - 1) * K * K
+        if K < 1 or not 1 <= N <= created:
+            raise InputError(f"tree {tree!r} keeps {N} nodes but creates only {created} at depth {k}")
+        if config.scorer != "tree":
+            raise InputError("the batch-expansion scorer needs a static tree, not a per-row topk tree")
+        return TreeShape("topk", k, N + 1, K, topk=K)
+    try:
+        template = get_template(tree, k)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if template.max_depth != k:
+        raise InputError(f"tree {tree!r} has depth {template.max_depth}; "
+                         f"set num_speculative_tokens to {template.max_depth}")
+    kind = "chain" if template.max_width == 1 else "static"
+    return TreeShape(kind, k, template.num_nodes, template.max_width, template=template)

@@ -1,0 +1,146 @@
+"""Artifact directories: every compiled graph of a plan plus `manifest.json`, and the GraphSet that
+serves them by key.
+
+The manifest records what the artifacts were built from (model, draft and tokenizer fingerprints),
+by what (backend, device, library versions) and for which shapes (the plan). Loading refuses any
+mismatch with a message that says how to recompile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from torch import Tensor
+from tqdm import tqdm
+
+from specair import __version__
+from specair.compile.backends.base import Backend, CompiledGraph
+from specair.compile.catalog import Catalog
+from specair.compile.plan import Plan
+from specair.models.errors import ModelFormatError, SpecairError
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+class ArtifactError(SpecairError):
+    """An artifact directory is missing, corrupt, or was built for something else."""
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str | None:
+    if tokenizer is None:
+        return None
+    return hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest()
+
+
+def versions(backend: Backend) -> dict[str, str]:
+    return {"specair": __version__, "python": platform.python_version(), **backend.versions()}
+
+
+class GraphSet:
+    """Compiled graphs by key. Without artifacts (`lazy`), a missing graph is compiled on first use with
+    a visible note; from an artifact directory, a key outside the plan is an error, never a compile."""
+
+    def __init__(self, catalog: Catalog, backend: Backend, art_dir: Path | None, lazy: bool,
+                 note: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)) -> None:
+        self.catalog, self.backend, self.art_dir, self.lazy, self.note = catalog, backend, art_dir, lazy, note
+        self.fns: dict[str, CompiledGraph] = {}
+
+    @property
+    def plan(self) -> Plan:
+        return self.catalog.plan
+
+    def __call__(self, key: str, *inputs: Tensor) -> tuple[Tensor, ...]:
+        fn = self.fns.get(key)
+        if fn is None:
+            if not self.lazy:
+                raise ArtifactError(f"graph {key} is not in the compiled plan of {self.art_dir}; recompile with "
+                                    f"buckets that cover it (specair compile … --out {self.art_dir})")
+            if self.backend.name != "eager":
+                self.note(f"specair: compiling {key} with {self.backend.name} (use `specair compile` to do this "
+                          f"ahead of time)")
+            fn = self.fns[key] = self.backend.compile(self.catalog.graph(key), self._scratch())
+        return fn(*inputs)
+
+    def _scratch(self) -> Path:
+        if self.art_dir is None:
+            import tempfile
+
+            self.art_dir = Path(tempfile.mkdtemp(prefix=f"specair-{self.backend.name}-"))
+        return self.art_dir
+
+
+def compile_artifacts(catalog: Catalog, backend: Backend, out_dir: Path, fingerprints: dict[str, Any],
+                      progress: bool = True) -> GraphSet:
+    """Compile every graph of the catalog's plan into out_dir and write its manifest (last, so a
+    directory without one is never mistaken for a finished build)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MANIFEST).unlink(missing_ok=True)
+    backend.begin(out_dir, loading=False)
+    graphs = GraphSet(catalog, backend, out_dir, lazy=False)
+    keys = catalog.keys()
+    times: dict[str, float] = {}
+    for key in tqdm(keys, desc=f"compiling ({backend.name})", file=sys.stderr, disable=not progress):
+        t = time.perf_counter()
+        graphs.fns[key] = backend.compile(catalog.graph(key), out_dir)
+        times[key] = round(time.perf_counter() - t, 3)
+    backend.end(out_dir)
+    manifest = {
+        "format": FORMAT, "backend": backend.name, "device": backend.device, "versions": versions(backend),
+        "fingerprints": fingerprints, "plan": catalog.plan.to_json(), "graphs": keys, "compile_seconds": times,
+    }
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return graphs
+
+
+def read_manifest(art_dir: Path) -> dict[str, Any]:
+    """The manifest of an artifact directory, checked for shape (not yet against a model)."""
+    path = Path(art_dir) / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{art_dir} has no {MANIFEST}: not a (finished) specair artifact directory; "
+                            f"build one with `specair compile --backend … --out {art_dir}`")
+    try:
+        manifest = json.loads(path.read_text())
+        if manifest.get("format") != FORMAT:
+            raise ArtifactError(f"{path} has format {manifest.get('format')!r}; this specair reads format {FORMAT}")
+        Plan.from_json(manifest["plan"])
+        manifest["backend"], manifest["fingerprints"], manifest["graphs"]  # noqa: B018 (presence check)
+    except ArtifactError:
+        raise
+    except (ValueError, KeyError, TypeError, SpecairError) as e:
+        raise ArtifactError(f"{path} is corrupt ({type(e).__name__}: {e}); recompile with `specair compile`") from None
+    return manifest
+
+
+def load_artifacts(catalog: Catalog, backend: Backend, art_dir: Path, manifest: dict[str, Any],
+                   fingerprints: dict[str, Any], recompile_hint: str) -> GraphSet:
+    """Load every compiled graph of a checked manifest, without tracing or compiling."""
+    problems = []
+    if manifest["backend"] != backend.name:
+        problems.append(f"they were compiled for backend {manifest['backend']!r}, not {backend.name!r}")
+    for name, value in fingerprints.items():
+        if manifest["fingerprints"].get(name) != value:
+            problems.append(f"the {name} differs (artifacts: {str(manifest['fingerprints'].get(name))[:16]}…, "
+                            f"given: {str(value)[:16]}…)")
+    have, built = versions(backend), manifest.get("versions", {})
+    for lib, v in have.items():
+        if lib != "python" and built.get(lib) != v:
+            problems.append(f"{lib} is {v} but they were built with {built.get(lib)}")
+    if problems:
+        raise ArtifactError(f"cannot use the artifacts in {art_dir}: " + "; ".join(problems) +
+                            f". Recompile with: {recompile_hint}")
+    backend.begin(art_dir, loading=True)
+    graphs = GraphSet(catalog, backend, art_dir, lazy=False)
+    for key in manifest["graphs"]:
+        try:
+            graphs.fns[key] = backend.load(catalog.graph(key), art_dir)
+        except (OSError, RuntimeError, ValueError, ModelFormatError) as e:
+            raise ArtifactError(f"artifact {key} in {art_dir} cannot be loaded ({type(e).__name__}: "
+                                f"{str(e)[:200]}); recompile with: {recompile_hint}") from None
+    return graphs

@@ -1,0 +1,29 @@
+"""Compile backends, imported lazily so a missing package or device only matters when it is asked for."""
+
+from __future__ import annotations
+
+import importlib
+
+from specair.compile.backends.base import Backend, BackendUnavailable
+
+BACKENDS = {
+    "eager": ("eager", "EagerBackend"),
+    "inductor": ("inductor", "InductorBackend"),
+    "aoti": ("aoti", "AotiBackend"),
+    "onnx": ("onnx", "OnnxBackend"),
+    "cuda": ("cuda", "CudaGraphBackend"),
+    "npu": ("npu", "NpuBackend"),
+}
+
+
+def get_backend(name: str, threads: int | None = None) -> Backend:
+    """An instance of the named backend; BackendUnavailable when its package or hardware is missing."""
+    if name not in BACKENDS:
+        raise BackendUnavailable(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    module, cls_name = BACKENDS[name]
+    try:
+        cls = getattr(importlib.import_module(f"specair.compile.backends.{module}"), cls_name)
+    except ImportError as e:
+        raise BackendUnavailable(f"backend {name!r} cannot be imported here: {e}") from None
+    cls.check_available()
+    return cls(threads=threads)

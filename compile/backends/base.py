@@ -1,0 +1,57 @@
+"""The one interface every compile backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Callable, ClassVar
+
+from torch import Tensor
+
+from specair.compile.graph_def import GraphDef
+from specair.models.errors import SpecairError
+
+CompiledGraph = Callable[..., tuple[Tensor, ...]]
+
+
+class BackendUnavailable(SpecairError):
+    """The backend's package or hardware is missing here."""
+
+
+class Backend(ABC):
+    """Turns GraphDefs into callables ahead of time and persists them in an artifact directory.
+
+    `compile` may write files under `art_dir` (one directory per backend run); `load` must rebuild the
+    callable from those files alone, without tracing or compiling. Inputs and outputs are flat tuples
+    of torch tensors in the GraphDef's order; graphs are pure (they never mutate an input).
+    """
+
+    name: ClassVar[str]
+    device: ClassVar[str] = "cpu"
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise BackendUnavailable with a message naming what is missing."""
+
+    @abstractmethod
+    def compile(self, graph: GraphDef, art_dir: Path) -> CompiledGraph:
+        """Compile graph for its example shapes; persist what `load` needs under art_dir."""
+
+    @abstractmethod
+    def load(self, graph: GraphDef, art_dir: Path) -> CompiledGraph:
+        """The compiled graph from art_dir, without tracing or compiling again."""
+
+    def begin(self, art_dir: Path, loading: bool) -> None:
+        """Called once before a batch of compile or load calls (e.g. to restore compiler caches)."""
+
+    def end(self, art_dir: Path) -> None:
+        """Called once after all graphs were compiled (e.g. to save compiler caches)."""
+
+    def versions(self) -> dict[str, str]:
+        """Library versions an artifact from this backend depends on (recorded in the manifest)."""
+        import torch
+
+        return {"torch": torch.__version__}

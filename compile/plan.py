@@ -1,0 +1,95 @@
+"""The bucket plan: every static shape a decoder may run, fixed ahead of time."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from specair.compile.spec_config import SpeculativeConfig, TreeShape, tree_shape
+from specair.models.errors import InputError
+
+MIN_CONTEXT_BUCKET = 64
+VARIANTS = ("greedy", "plain", "filtered")  # sampling graph variants, cheapest first
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Batch buckets, context buckets (powers of two up to max_context), prefill chunk, sampling
+    variants and the speculative step's shape. Serialised into every artifact manifest."""
+
+    max_context: int
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    prefill_chunk: int = 128
+    variants: tuple[str, ...] = ("greedy", "filtered")
+    speculative: SpeculativeConfig | None = None
+    dtype: str = "fp32"
+    tree: TreeShape | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_context < 2:
+            raise InputError(f"max_context must be at least 2, got {self.max_context}")
+        if not self.batch_buckets or any(b < 1 for b in self.batch_buckets):
+            raise InputError(f"batch buckets must be positive integers, got {self.batch_buckets}")
+        object.__setattr__(self, "batch_buckets", tuple(sorted(set(self.batch_buckets))))
+        bad = [v for v in self.variants if v not in VARIANTS]
+        if bad or not self.variants:
+            raise InputError(f"sampling variants must be among {VARIANTS}, got {self.variants}")
+        object.__setattr__(self, "variants", tuple(v for v in VARIANTS if v in self.variants))
+        if self.speculative is not None:
+            object.__setattr__(self, "tree", tree_shape(self.speculative))
+
+    @property
+    def ctx_buckets(self) -> tuple[int, ...]:
+        """Powers of two from MIN_CONTEXT_BUCKET below max_context, then max_context itself."""
+        out, c = [], MIN_CONTEXT_BUCKET
+        while c < self.max_context:
+            out.append(c)
+            c *= 2
+        return tuple(out) + (self.max_context,)
+
+    @property
+    def spare_slots(self) -> int:
+        """Cache slots past the context: a padded prefill chunk, and commits up to D past the root."""
+        return max(self.prefill_chunk, (self.tree.depth + 1) if self.tree else 1)
+
+    @property
+    def slots(self) -> int:
+        return self.max_context + self.spare_slots
+
+    def context_bucket(self, needed: int) -> int:
+        """The smallest context bucket holding `needed` committed slots."""
+        for c in self.ctx_buckets:
+            if c >= needed:
+                return c
+        raise InputError(f"{needed} tokens of context exceed the plan's max_context {self.max_context}")
+
+    def batch_bucket(self, rows: int) -> int:
+        """The smallest batch bucket holding `rows` sequences."""
+        for b in self.batch_buckets:
+            if b >= rows:
+                return b
+        raise InputError(f"{rows} sequences exceed the largest batch bucket {self.batch_buckets[-1]}")
+
+    def variant_for(self, wanted: str) -> str:
+        """The compiled sampling variant that serves `wanted`: itself, else the next more general one
+        (greedy rows run exactly on the plain and filtered graphs, plain rows on the filtered one)."""
+        for v in VARIANTS[VARIANTS.index(wanted):]:
+            if v in self.variants:
+                return v
+        raise InputError(f"sampling variant {wanted!r} is not in the plan {self.variants}; "
+                         f"recompile with --variants including it")
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tree"}
+        d["speculative"] = dataclasses.asdict(self.speculative) if self.speculative else None
+        d["batch_buckets"], d["variants"] = list(self.batch_buckets), list(self.variants)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Plan":
+        d = dict(d)
+        if d.get("speculative") is not None:
+            d["speculative"] = SpeculativeConfig.parse(d["speculative"])
+        d["batch_buckets"], d["variants"] = tuple(d["batch_buckets"]), tuple(d["variants"])
+        return cls(**d)

@@ -1,0 +1,146 @@
+"""From command-line choices to a ready decoder: load the models, then either open a compiled artifact
+directory or build graphs on demand with a backend; and `specair compile`'s ahead-of-time build."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specair.compile.artifacts import GraphSet, compile_artifacts, load_artifacts, read_manifest, tokenizer_fingerprint
+from specair.compile.backends import get_backend
+from specair.compile.catalog import Catalog
+from specair.compile.plan import VARIANTS, Plan
+from specair.compile.spec_config import SpeculativeConfig
+from specair.models.checkpoint import load_checkpoint
+from specair.models.errors import InputError
+from specair.models.llama import Transformer, build_model, truncated
+from specair.runtime.reference import Decoder, ReferenceDecoder
+from specair.runtime.speculative import SpeculativeDecoder
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Models:
+    target: Transformer
+    tokenizer: Any
+    draft: Transformer | None
+    fingerprints: dict[str, Any]
+
+
+def load_model(path: str | None, dtype: str) -> tuple[Transformer, Any, str]:
+    """A model, its tokenizer (None for checkpoints without one) and its weights' fingerprint."""
+    t0 = time.perf_counter()
+    ckpt = load_checkpoint(path, dtype=DTYPES[dtype])
+    model = build_model(ckpt.config, ckpt.state_dict, DTYPES[dtype])
+    log(f"loaded {ckpt.source} ({ckpt.config.model_type}, {ckpt.config.num_layers} layers, {dtype}) "
+        f"in {time.perf_counter() - t0:.1f}s")
+    return model, ckpt.tokenizer, ckpt.fingerprint
+
+
+def load_models(path: str | None, dtype: str, spec: SpeculativeConfig | None) -> Models:
+    """The target, its tokenizer and the draft the speculative config names (refusing a vocabulary mismatch)."""
+    target, tokenizer, fp = load_model(path, dtype)
+    fingerprints: dict[str, Any] = {"target": fp, "tokenizer": tokenizer_fingerprint(tokenizer), "dtype": dtype}
+    draft = None
+    if spec is not None and spec.method == "layer_skip":
+        draft = truncated(target, spec.num_layers)
+        fingerprints["draft"] = f"layer_skip:{spec.num_layers}"
+    elif spec is not None:
+        draft, draft_tok, fingerprints["draft"] = load_model(spec.model, dtype)
+        if tokenizer is not None and draft_tok is not None and \
+                tokenizer.backend.get_vocab() != draft_tok.backend.get_vocab():
+            raise InputError(f"the draft model {spec.model} has a different tokenizer than the target; "
+                             "a draft must share the target's vocabulary")
+    return Models(target, tokenizer, draft, fingerprints)
+
+
+def parse_spec(spec_json: str | None) -> SpeculativeConfig | None:
+    return None if spec_json is None else SpeculativeConfig.parse(spec_json)
+
+
+def make_decoder(models: Models, graphs: GraphSet) -> Decoder:
+    if graphs.plan.speculative is None:
+        return ReferenceDecoder(models.target, models.tokenizer, graphs=graphs)
+    spec = graphs.plan.speculative
+    log(f"speculating with {spec.method} (k={spec.num_speculative_tokens}, tree={spec.tree or 'chain'}, "
+        f"acceptance={spec.acceptance}, backend={graphs.backend.name})")
+    return SpeculativeDecoder(models.target, models.draft, tokenizer=models.tokenizer, graphs=graphs)
+
+
+def open_decoder(model: str | None, dtype: str, spec_json: str | None, backend: str | None,
+                 artifacts: str | None, max_context: int | None, threads: int | None) -> Decoder:
+    """A decoder for `specair generate`: from an artifact directory (no compiling), or with graphs
+    built on first use by `backend` (eager by default)."""
+    spec = parse_spec(spec_json)
+    if artifacts is None:
+        be = get_backend(backend or "eager", threads)
+        models = load_models(model, dtype, spec)
+        cfg = models.target.config
+        plan = Plan(max_context=min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings),
+                    batch_buckets=(1,), variants=VARIANTS, speculative=spec, dtype=dtype)
+        if be.name != "eager":
+            log(f"specair: no --artifacts given: graphs are compiled with {be.name} as they are first needed")
+        return make_decoder(models, GraphSet(Catalog(models.target, plan, models.draft), be, None, lazy=True))
+    art = Path(artifacts)
+    manifest = read_manifest(art)
+    plan = Plan.from_json(manifest["plan"])
+    if backend is not None and backend != manifest["backend"]:
+        raise InputError(f"--backend {backend} but {art} holds {manifest['backend']} artifacts")
+    if spec is not None and spec != plan.speculative:
+        raise InputError(f"--speculative-config differs from the one {art} was compiled for "
+                         f"({plan.speculative}); omit it to use the compiled one, or recompile")
+    if max_context is not None and max_context != plan.max_context:
+        raise InputError(f"--max-context {max_context} differs from the compiled plan's {plan.max_context}")
+    be = get_backend(manifest["backend"], threads)
+    models = load_models(model, plan.dtype, plan.speculative)
+    hint = compile_command(model, plan, be.name, art)
+    t0 = time.perf_counter()
+    graphs = load_artifacts(Catalog(models.target, plan, models.draft), be, art, manifest, models.fingerprints, hint)
+    log(f"loaded {len(graphs.fns)} {be.name} graphs from {art} in {time.perf_counter() - t0:.1f}s")
+    return make_decoder(models, graphs)
+
+
+def compile_command(model: str | None, plan: Plan, backend: str, out: Path) -> str:
+    """The `specair compile` command line that rebuilds artifacts for this plan."""
+    import json
+    import dataclasses
+
+    parts = ["specair", "compile", "--backend", backend, "--out", str(out), "--max-context", str(plan.max_context),
+             "--buckets", ",".join(map(str, plan.batch_buckets)), "--variants", ",".join(plan.variants),
+             "--dtype", plan.dtype]
+    if model:
+        parts += ["--model", model]
+    if plan.speculative:
+        spec = {k: v for k, v in dataclasses.asdict(plan.speculative).items() if v is not None}
+        parts += ["--speculative-config", json.dumps(spec)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def compile_plan(model: str | None, dtype: str, spec_json: str | None, backend: str, out: str,
+                 buckets: tuple[int, ...], max_context: int | None, variants: tuple[str, ...],
+                 prefill_chunk: int, threads: int | None) -> GraphSet:
+    """`specair compile`: every graph of the plan, ahead of time, into an artifact directory."""
+    spec = parse_spec(spec_json)
+    be = get_backend(backend, threads)
+    models = load_models(model, dtype, spec)
+    cfg = models.target.config
+    plan = Plan(max_context=min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings),
+                batch_buckets=buckets, prefill_chunk=prefill_chunk, variants=variants, speculative=spec, dtype=dtype)
+    catalog = Catalog(models.target, plan, models.draft)
+    log(f"compiling {len(catalog.keys())} graphs with {be.name}: batch buckets {plan.batch_buckets}, "
+        f"context buckets {plan.ctx_buckets}, variants {plan.variants}")
+    t0 = time.perf_counter()
+    graphs = compile_artifacts(catalog, be, Path(out), models.fingerprints)
+    log(f"compiled in {time.perf_counter() - t0:.1f}s into {out}")
+    return graphs

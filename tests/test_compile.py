@@ -1,0 +1,167 @@
+"""The bucket plan, the graph catalogue, artifact directories and the CPU compile backends."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import save_tiny
+
+from specair.compile.artifacts import ArtifactError, GraphSet, compile_artifacts, load_artifacts, read_manifest
+from specair.compile.backends import BackendUnavailable, get_backend
+from specair.compile.catalog import Catalog
+from specair.compile.plan import Plan
+from specair.compile.spec_config import SpeculativeConfig
+from specair.models.checkpoint import load_checkpoint
+from specair.models.errors import InputError
+from specair.models.llama import build_model, truncated
+from specair.runtime.params import SamplingParams
+from specair.runtime.reference import ReferenceDecoder
+from specair.runtime.speculative import SpeculativeDecoder
+
+CHAIN = SpeculativeConfig.parse({"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2})
+TREE = SpeculativeConfig.parse({"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2,
+                                "tree": "kary:2x2"})
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    save_tiny("llama", path, max_position_embeddings=128)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    ckpt = load_checkpoint(tiny_dir, progress=False)
+    return build_model(ckpt.config, ckpt.state_dict)
+
+
+def test_plan_buckets_and_fallbacks():
+    plan = Plan(max_context=300, batch_buckets=(4, 1, 2), speculative=CHAIN)
+    assert plan.ctx_buckets == (64, 128, 256, 300)
+    assert plan.batch_buckets == (1, 2, 4)
+    assert plan.context_bucket(1) == 64 and plan.context_bucket(129) == 256 and plan.context_bucket(300) == 300
+    with pytest.raises(InputError, match="max_context"):
+        plan.context_bucket(301)
+    assert plan.batch_bucket(3) == 4
+    with pytest.raises(InputError, match="largest batch bucket"):
+        plan.batch_bucket(5)
+    assert plan.variant_for("greedy") == "greedy" and plan.variant_for("plain") == "filtered"
+    assert Plan(max_context=64, variants=("filtered",)).variant_for("greedy") == "filtered"
+    with pytest.raises(InputError, match="variant"):
+        Plan(max_context=64, variants=("greedy",)).variant_for("filtered")
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    assert plan.slots == 300 + 128
+
+
+def test_every_catalog_graph_runs_eagerly_with_its_example_inputs(tiny):
+    for spec in (CHAIN, TREE, SpeculativeConfig.parse({"method": "layer_skip", "num_layers": 1,
+                                                       "num_speculative_tokens": 2, "tree": "topk:2x4",
+                                                       "acceptance": "typical"})):
+        plan = Plan(max_context=128, batch_buckets=(1, 2), variants=("greedy", "plain", "filtered"), speculative=spec)
+        cat = Catalog(tiny, plan, truncated(tiny, 1))
+        keys = cat.keys()
+        assert len(keys) == len(set(keys))
+        for key in keys:
+            g = cat.graph(key)
+            out = g.eager(*g.example_inputs)
+            assert len(out) == len(g.output_names), key
+            assert len(g.example_inputs) == len(g.input_names), key
+
+
+def test_backends_refuse_clearly():
+    with pytest.raises(BackendUnavailable, match="unknown backend"):
+        get_backend("tpu")
+
+
+PROMPT = list(range(5, 30))
+
+
+def generate(decoder, n=24):
+    return decoder.generate(PROMPT, SamplingParams(max_tokens=n, ignore_eos=True)).token_ids
+
+
+@pytest.mark.parametrize("spec", [None, CHAIN, TREE], ids=["autoregressive", "chain", "tree"])
+def test_inductor_generation_equals_eager(tiny, spec):
+    """Graphs compiled on first use by inductor give the eager tokens, and never recompile after."""
+    kw = dict(max_context=128, prefill_chunk_size=16)
+    if spec is None:
+        eager, compiled = ReferenceDecoder(tiny, **kw), ReferenceDecoder(tiny, backend="inductor", **kw)
+    else:
+        draft = truncated(tiny, 1)
+        eager = SpeculativeDecoder(tiny, draft, spec, **kw)
+        compiled = SpeculativeDecoder(tiny, draft, spec, backend="inductor", **kw)
+    assert generate(compiled) == generate(eager)
+    assert generate(compiled, 30) == generate(eager, 30)  # same graphs again: no new compiles needed
+
+
+def fingerprints():
+    return {"target": "abc", "tokenizer": None, "dtype": "fp32", "draft": "layer_skip:1"}
+
+
+def test_artifacts_roundtrip_and_refusals(tiny, tmp_path):
+    plan = Plan(max_context=128, batch_buckets=(1,), prefill_chunk=16, variants=("greedy",), speculative=CHAIN)
+    cat = Catalog(tiny, plan, truncated(tiny, 1))
+    eager = get_backend("eager")
+    compile_artifacts(cat, eager, tmp_path, fingerprints(), progress=False)
+    manifest = read_manifest(tmp_path)
+    assert manifest["graphs"] == cat.keys() and manifest["backend"] == "eager"
+    graphs = load_artifacts(cat, eager, tmp_path, manifest, fingerprints(), "HINT")
+    dec = SpeculativeDecoder(tiny, truncated(tiny, 1), tokenizer=None, graphs=graphs)
+    ref = SpeculativeDecoder(tiny, truncated(tiny, 1), CHAIN, max_context=128, prefill_chunk_size=16)
+    assert generate(dec) == generate(ref)
+    with pytest.raises(InputError, match="variant 'filtered' is not in the plan"):  # a variant not compiled
+        dec.generate(PROMPT, SamplingParams(max_tokens=4, temperature=1.0, top_k=5))
+    with pytest.raises(ArtifactError, match="not in the compiled plan"):
+        graphs("verify.b2.c64")
+    with pytest.raises(ArtifactError, match="target differs.*HINT"):
+        load_artifacts(cat, eager, tmp_path, manifest, {**fingerprints(), "target": "xyz"}, "HINT")
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="corrupt"):
+        read_manifest(tmp_path)
+    (tmp_path / "manifest.json").unlink()
+    with pytest.raises(ArtifactError, match="no manifest.json"):
+        read_manifest(tmp_path)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "specair.runtime.cli", *args], capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_cli_compile_then_generate_from_artifacts(tiny_dir, tmp_path):
+    """`specair compile --backend inductor` then `specair generate --artifacts` in fresh processes: the
+    second compiles nothing (every Inductor graph is a cache hit) and gives the eager tokens."""
+    spec = '{"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}'
+    out = tmp_path / "art"
+    r = run_cli("compile", "--model", str(tiny_dir), "--backend", "inductor", "--out", str(out), "--buckets", "1",
+                "--max-context", "64", "--variants", "greedy", "--prefill-chunk", "16", "--speculative-config", spec)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["plan"]["max_context"] == 64 and manifest["versions"]["torch"] == torch.__version__
+    ids = json.dumps(list(range(5, 25)))
+    eager = run_cli("generate", "--model", str(tiny_dir), "--prompt-ids", ids, "--max-tokens", "16", "--json",
+                    "--ignore-eos", "--max-context", "64", "--speculative-config", spec)
+    assert eager.returncode == 0, eager.stderr
+    check = ("import sys, runpy, atexit, json; from torch._dynamo.utils import counters; "
+             "atexit.register(lambda: print('COUNTERS', json.dumps(dict(counters['inductor'])), file=sys.stderr)); "
+             "sys.argv = ['specair'] + sys.argv[1:]; runpy.run_module('specair.runtime.cli', run_name='__main__')")
+    art = subprocess.run([sys.executable, "-c", check, "generate", "--model", str(tiny_dir), "--prompt-ids", ids,
+                          "--max-tokens", "16", "--json", "--ignore-eos", "--artifacts", str(out)],
+                         capture_output=True, text=True, timeout=900)
+    assert art.returncode == 0, art.stderr
+    a, e = json.loads(art.stdout), json.loads(eager.stdout)
+    assert a["token_ids"] == e["token_ids"] and a["backend"] == "inductor" and e["backend"] == "eager"
+    counters = json.loads(art.stderr.split("COUNTERS", 1)[1])
+    assert counters.get("fxgraph_cache_hit", 0) >= 1 and counters.get("fxgraph_cache_miss", 0) == 0, counters
+    # A plan mismatch is refused with the command that recompiles.
+    bad = run_cli("generate", "--model", str(tiny_dir), "--prompt-ids", ids, "--artifacts", str(out),
+                  "--max-context", "128")
+    assert bad.returncode == 2 and "differs from the compiled plan" in bad.stderr
+    other = tmp_path / "other"
+    save_tiny("llama", other, seed=3, max_position_embeddings=128)
+    bad = run_cli("generate", "--model", str(other), "--prompt-ids", ids, "--artifacts", str(out))
+    assert bad.returncode == 2 and "target differs" in bad.stderr and "specair compile" in bad.stderr
+    assert "Traceback" not in bad.stderr
