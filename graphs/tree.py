@@ -78,7 +78,11 @@ class TreeTemplate:
 
     def buffers(self) -> TreeBuffers:
         """The tree's index buffers (built once per tree shape, then cached)."""
-        return _build_buffers(self.parents, self.ranks)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        # A first call under torch.export tracing would otherwise cache fake tensors for everyone.
+        with unset_fake_temporarily():
+            return _build_buffers(self.parents, self.ranks)
 
 
 def _depths(parents: Sequence[int]) -> list[int]:
