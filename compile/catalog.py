@@ -25,6 +25,12 @@ from specair.models.llama import Transformer
 L = torch.long
 
 
+def uniform_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """Uniforms enter graphs as float32 (float64 for float64 models): fine enough for inverse-CDF and
+    accept tests, and a type every backend takes (Ascend has no float64)."""
+    return torch.float64 if model_dtype == torch.float64 else torch.float32
+
+
 class Catalog:
     """The graphs of one (target, draft, plan). GraphDefs are built on demand and cached."""
 
@@ -125,7 +131,7 @@ class Catalog:
     def _decode(self, B: int, C: int, variant: str, **_):
         k, v = self.caches(self.target, B)
         inputs = [torch.zeros(B, dtype=L), torch.zeros(B, dtype=L), k, v, *self._sampling(B),
-                  torch.zeros(B, dtype=torch.float64)]
+                  torch.zeros(B, dtype=uniform_dtype(self.target.dtype))]
         return (decode_step, {"target": self.target}, {"ctx": C, "variant": variant}, inputs,
                 ["tokens", "cache_len", "k_cache", "v_cache", "temperature", "top_k", "top_p", "uniform"],
                 ["next_tokens", "logits", "new_k", "new_v"])
@@ -140,7 +146,7 @@ class Catalog:
         if tree.kind == "chain":
             fn = _draft_chain_graph
             static = {"k": D, "ctx": C, "filtered": variant == "filtered"}
-            base += [*self._sampling(B), torch.zeros(B, D, dtype=torch.float64)]
+            base += [*self._sampling(B), torch.zeros(B, D, dtype=uniform_dtype(self.target.dtype))]
             names += ["temperature", "top_k", "top_p", "uniforms"]
         elif tree.kind == "static":
             fn, static = draft_static_tree, {"template": tree.template, "ctx": C,
@@ -192,7 +198,7 @@ class Catalog:
                     ["tree_tokens", "target_logits", "paths", "temperature", "top_k", "top_p"], outs)
         return (accept_rejection, {}, {"max_depth": D, "filtered": filtered},
                 [tokens, logits, torch.zeros(B, T, V, dtype=dt), torch.zeros(B, T, W, dtype=L),
-                 torch.zeros(B, T + 1, dtype=torch.float64), *self._sampling(B)],
+                 torch.zeros(B, T + 1, dtype=uniform_dtype(self.target.dtype)), *self._sampling(B)],
                 ["tree_tokens", "target_logits", "draft_probs", "children", "uniforms", "temperature", "top_k",
                  "top_p"], outs)
 

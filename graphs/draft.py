@@ -148,10 +148,12 @@ def draft_topk_tree(draft: Transformer, catch_tokens: Tensor, n_catch: Tensor, d
     all_score = torch.cat([torch.zeros(B, 1, dtype=logp.dtype, device=dev)] + cand_score, 1)
     all_parent = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev)] + cand_parent, 1)
     order = all_score.sort(dim=-1, descending=True, stable=True).indices[:, : num_nodes + 1]
-    keep = order.sort(dim=-1).values  # root (id 0, score 0) first, then by id: parents before children
-    new_index = torch.full((B, M), -1, dtype=torch.long, device=dev)
-    new_index.scatter_(1, keep, torch.arange(num_nodes + 1, device=dev).expand(B, -1))
+    # Root (id 0, score 0) first, then by id: parents before children. Sorted as float and indexed in
+    # int32 because Ascend ATC's TopK and ScatterElements take no int64.
+    keep = order.float().sort(dim=-1).values.long()
+    new_index = torch.full((B, M), -1, dtype=torch.int32, device=dev)
+    new_index.scatter_(1, keep, torch.arange(num_nodes + 1, dtype=torch.int32, device=dev).expand(B, -1))
     parent_ids = all_parent.gather(1, keep)
-    parents = torch.where(parent_ids < 0, parent_ids, new_index.gather(1, parent_ids.clamp(min=0)))
+    parents = torch.where(parent_ids < 0, parent_ids, new_index.gather(1, parent_ids.clamp(min=0)).long())
     tokens = all_tok.gather(1, keep)
     return tokens, parents, F.one_hot(tokens, V).to(s.logits.dtype), s.catch_k, s.catch_v

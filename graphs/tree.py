@@ -80,7 +80,9 @@ class TreeTemplate:
         """The tree's index buffers (built once per tree shape, then cached)."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        # A first call under torch.export tracing would otherwise cache fake tensors for everyone.
+        if torch.compiler.is_dynamo_compiling():  # Dynamo treats the cached buffers as constants
+            return _build_buffers(self.parents, self.ranks)
+        # A first call under (non-strict) torch.export tracing would otherwise cache fake tensors for everyone.
         with unset_fake_temporarily():
             return _build_buffers(self.parents, self.ranks)
 

@@ -129,10 +129,13 @@ def compile_command(model: str | None, plan: Plan, backend: str, out: Path) -> s
 
 def compile_plan(model: str | None, dtype: str, spec_json: str | None, backend: str, out: str,
                  buckets: tuple[int, ...], max_context: int | None, variants: tuple[str, ...],
-                 prefill_chunk: int, threads: int | None) -> GraphSet:
-    """`specair compile`: every graph of the plan, ahead of time, into an artifact directory."""
+                 prefill_chunk: int, threads: int | None, self_contained: bool = False) -> GraphSet:
+    """`specair compile`: every graph of the plan, ahead of time, into an artifact directory
+    (`self_contained`: onnx files with their weights inside, for Ascend ATC)."""
     spec = parse_spec(spec_json)
-    be = get_backend(backend, threads)
+    if self_contained and backend != "onnx":
+        raise InputError("--self-contained applies to the onnx backend only")
+    be = get_backend(backend, threads, **({"self_contained": True} if self_contained else {}))
     models = load_models(model, dtype, spec)
     cfg = models.target.config
     plan = Plan(max_context=min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings),

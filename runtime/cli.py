@@ -102,7 +102,8 @@ def cmd_compile(args: argparse.Namespace) -> None:
     from specair.runtime.build import compile_plan
 
     compile_plan(args.model, args.dtype, args.speculative_config, args.backend, args.out, args.buckets,
-                 args.max_context, tuple(v for v in args.variants.split(",") if v), args.prefill_chunk, args.threads)
+                 args.max_context, tuple(v for v in args.variants.split(",") if v), args.prefill_chunk, args.threads,
+                 args.self_contained)
 
 
 def cmd_check_onnx(args: argparse.Namespace) -> int:
@@ -150,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--variants", default="greedy,filtered",
                    help="sampling graph variants among greedy,plain,filtered (default greedy,filtered)")
     c.add_argument("--prefill-chunk", type=int, default=128)
+    c.add_argument("--self-contained", action="store_true",
+                   help="onnx: embed the weights in every file (for Ascend ATC) instead of one shared weights file")
     c.set_defaults(func=cmd_compile)
 
     o = sub.add_parser("check-onnx", help="report anything in ONNX files that Ascend ATC would not accept")

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from specair.compile.artifacts import GraphSet
 from specair.compile.backends import get_backend
-from specair.compile.catalog import Catalog
+from specair.compile.catalog import Catalog, uniform_dtype
 from specair.compile.plan import VARIANTS, Plan
 from specair.compile.spec_config import SpeculativeConfig
 from specair.graphs.kv import commit_kv
@@ -48,6 +48,7 @@ class Request:
         self.temperature = torch.tensor([float(params.temperature)], dtype=dtype)
         self.top_k = torch.tensor([params.top_k])
         self.top_p = torch.tensor([float(params.top_p)], dtype=dtype)
+        self.uniform_dtype = uniform_dtype(dtype)
         self.variant = sampling_variant([params.temperature], [params.top_k], [params.top_p])
         self.filtered = self.variant == "filtered"
 
@@ -56,7 +57,7 @@ class Request:
         return self.params.temperature == 0
 
     def uniforms(self, *shape: int) -> Tensor:
-        return torch.rand(1, *shape, generator=self.gen, dtype=torch.float64)
+        return torch.rand(1, *shape, generator=self.gen, dtype=self.uniform_dtype)
 
 
 class Decoder:
@@ -98,6 +99,7 @@ class Decoder:
                              f"(prompt plus at least one generated token)")
         return ids
 
+    @torch.inference_mode()
     def prefill(self, ids: list[int], role: str = "target") -> Tensor:
         """Run ids through the target (or the draft) in fixed-size chunks; return the last logits [1, V]."""
         k_cache, v_cache = (self.k_cache, self.v_cache) if role == "target" else self.draft_caches

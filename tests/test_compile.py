@@ -83,16 +83,18 @@ def generate(decoder, n=24):
     return decoder.generate(PROMPT, SamplingParams(max_tokens=n, ignore_eos=True)).token_ids
 
 
-@pytest.mark.parametrize("spec", [None, CHAIN, TREE], ids=["autoregressive", "chain", "tree"])
-def test_inductor_generation_equals_eager(tiny, spec):
-    """Graphs compiled on first use by inductor give the eager tokens, and never recompile after."""
-    kw = dict(max_context=128, prefill_chunk_size=16)
+@pytest.mark.parametrize("backend,spec", [("inductor", None), ("inductor", CHAIN), ("inductor", TREE),
+                                          ("aoti", CHAIN), ("onnx", CHAIN)],
+                         ids=["inductor-autoregressive", "inductor-chain", "inductor-tree", "aoti-chain", "onnx-chain"])
+def test_backend_generation_equals_eager(tiny, backend, spec):
+    """Graphs compiled on first use by a backend give the eager tokens, and never recompile after."""
+    kw = dict(max_context=64, prefill_chunk_size=16)
     if spec is None:
-        eager, compiled = ReferenceDecoder(tiny, **kw), ReferenceDecoder(tiny, backend="inductor", **kw)
+        eager, compiled = ReferenceDecoder(tiny, **kw), ReferenceDecoder(tiny, backend=backend, **kw)
     else:
         draft = truncated(tiny, 1)
         eager = SpeculativeDecoder(tiny, draft, spec, **kw)
-        compiled = SpeculativeDecoder(tiny, draft, spec, backend="inductor", **kw)
+        compiled = SpeculativeDecoder(tiny, draft, spec, backend=backend, **kw)
     assert generate(compiled) == generate(eager)
     assert generate(compiled, 30) == generate(eager, 30)  # same graphs again: no new compiles needed
 

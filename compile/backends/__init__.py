@@ -16,8 +16,9 @@ BACKENDS = {
 }
 
 
-def get_backend(name: str, threads: int | None = None) -> Backend:
-    """An instance of the named backend; BackendUnavailable when its package or hardware is missing."""
+def get_backend(name: str, threads: int | None = None, **options: object) -> Backend:
+    """An instance of the named backend (backend-specific `options`, e.g. onnx's self_contained);
+    BackendUnavailable when its package or hardware is missing."""
     if name not in BACKENDS:
         raise BackendUnavailable(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
     module, cls_name = BACKENDS[name]
@@ -26,4 +27,4 @@ def get_backend(name: str, threads: int | None = None) -> Backend:
     except ImportError as e:
         raise BackendUnavailable(f"backend {name!r} cannot be imported here: {e}") from None
     cls.check_available()
-    return cls(threads=threads)
+    return cls(threads=threads, **options)
