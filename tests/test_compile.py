@@ -167,3 +167,26 @@ def test_cli_compile_then_generate_from_artifacts(tiny_dir, tmp_path):
     bad = run_cli("generate", "--model", str(other), "--prompt-ids", ids, "--artifacts", str(out))
     assert bad.returncode == 2 and "target differs" in bad.stderr and "specair compile" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_cli_onnx_edge_export_passes_check_onnx_and_serves(tiny_dir, tmp_path):
+    """The Atlas path: self-contained ONNX files that check-onnx accepts, served by onnxruntime."""
+    spec = '{"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}'
+    out = tmp_path / "edge"
+    r = run_cli("compile", "--model", str(tiny_dir), "--backend", "onnx", "--self-contained", "--out", str(out),
+                "--buckets", "1", "--max-context", "64", "--variants", "greedy,filtered", "--prefill-chunk", "16",
+                "--speculative-config", spec)
+    assert r.returncode == 0, r.stderr
+    files = sorted(str(p) for p in out.glob("*.onnx"))
+    assert len(files) == 9 and not list(out.glob("*.bin"))  # 9 graphs, weights inside each file
+    check = run_cli("check-onnx", *files)
+    assert check.returncode == 0, check.stdout + check.stderr
+    ids = json.dumps(list(range(5, 25)))
+    common = ["--model", str(tiny_dir), "--prompt-ids", ids, "--max-tokens", "12", "--json", "--temperature", "0.8",
+              "--top-k", "20", "--seed", "3", "--ignore-eos"]
+    onnx_run = run_cli("generate", *common, "--artifacts", str(out))
+    eager_run = run_cli("generate", *common, "--max-context", "64", "--speculative-config", spec)
+    assert onnx_run.returncode == 0 and eager_run.returncode == 0, onnx_run.stderr + eager_run.stderr
+    assert json.loads(onnx_run.stdout)["token_ids"] == json.loads(eager_run.stdout)["token_ids"]
+    bad = run_cli("check-onnx", str(out / "manifest.json"))
+    assert bad.returncode != 0
