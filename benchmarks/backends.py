@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specair.compile.artifacts import compile_artifacts
 from specair.compile.backends import BackendUnavailable, get_backend
 from specair.compile.catalog import Catalog
 from specair.compile.plan import Plan

@@ -148,7 +148,7 @@ def draft_setups(world, tree, mode):
 
 def enumerate_rejection(world, tree, mode, setting):
     """Run accept_rejection over every draft outcome and every accept/reject pattern; return the rows."""
-    b, T, V = tree.buffers(), tree.num_nodes, world.V
+    b, T = tree.buffers(), tree.num_nodes
     toks, q, w = draft_setups(world, tree, mode)
     logits = torch.stack([world.at(world.target[b.depth[i]], toks, b.paths[i].tolist()) for i in range(T)], 1)
     bits = torch.tensor(list(itertools.product([True, False], repeat=T - 1)))  # forced outcome per node

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import save_tiny
 
-from specair.compile.artifacts import ArtifactError, GraphSet, compile_artifacts, load_artifacts, read_manifest
+from specair.compile.artifacts import ArtifactError, compile_artifacts, load_artifacts, read_manifest
 from specair.compile.backends import BackendUnavailable, get_backend
 from specair.compile.catalog import Catalog
 from specair.compile.plan import Plan
