@@ -69,10 +69,12 @@ class GraphSet:
         return fn(*inputs)
 
     def _scratch(self) -> Path:
+        """Where graphs compiled on first use keep their files: removed with this GraphSet."""
         if self.art_dir is None:
             import tempfile
 
-            self.art_dir = Path(tempfile.mkdtemp(prefix=f"specair-{self.backend.name}-"))
+            self._tmp = tempfile.TemporaryDirectory(prefix=f"specair-{self.backend.name}-")
+            self.art_dir = Path(self._tmp.name)
         return self.art_dir
 
 

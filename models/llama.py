@@ -227,13 +227,9 @@ class Transformer(nn.Module):
                 torch.zeros(shape, dtype=self.dtype, device=device))
 
 
-def build_model(config: ModelConfig, state_dict: dict[str, Tensor], dtype: torch.dtype = torch.float32,
-                num_layers: int | None = None) -> Transformer:
-    """A Transformer from an HF-named state dict; `num_layers` keeps only the first N layers (layer skip)."""
-    if num_layers is not None:
-        if not 0 < num_layers <= config.num_layers:
-            raise ModelFormatError(f"num_layers must be in 1..{config.num_layers}, got {num_layers}")
-        config = replace(config, num_layers=num_layers)
+def build_model(config: ModelConfig, state_dict: dict[str, Tensor],
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """A Transformer from an HF-named state dict (see `truncated` for a layer-skip draft)."""
     with torch.device("meta"):
         model = Transformer(config, dtype)
     sd = state_dict
