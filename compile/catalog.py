@@ -134,7 +134,7 @@ class Catalog:
                   torch.zeros(B, dtype=uniform_dtype(self.target.dtype))]
         return (decode_step, {"target": self.target}, {"ctx": C, "variant": variant}, inputs,
                 ["tokens", "cache_len", "k_cache", "v_cache", "temperature", "top_k", "top_p", "uniform"],
-                ["next_tokens", "logits", "new_k", "new_v"])
+                ["next_tokens", "logits", "hidden", "new_k", "new_v"])
 
     def _draft(self, B: int, C: int, variant: str, **_):
         tree = self.plan.tree

@@ -127,7 +127,7 @@ class Decoder:
         """One autoregressive target step."""
         pos = len(seq) - 1
         key = self.catalog.key("decode", 1, self.plan.context_bucket(pos), self.plan.variant_for(req.variant))
-        token, _, new_k, new_v = self.graphs(key, torch.tensor([seq[-1]]), torch.tensor([pos]), self.k_cache,
+        token, _, _, new_k, new_v = self.graphs(key, torch.tensor([seq[-1]]), torch.tensor([pos]), self.k_cache,
                                              self.v_cache, req.temperature, req.top_k, req.top_p, req.uniforms())
         commit_kv(self.k_cache, self.v_cache, new_k, new_v, torch.tensor([[pos]]))
         return [int(token.item())]
