@@ -1,8 +1,10 @@
 """Every graph a plan needs, as GraphDefs with example inputs: the one list that `specair compile`
 compiles, artifacts load, and the runtime dispatches by key.
 
-Keys: `prefill.{target|draft}.b{B}.c{C}`, `decode.b{B}.c{C}.{variant}`, `draft.b{B}.c{C}[.{variant}]`,
-`verify.b{B}.c{C}`, `tree.b{B}` (per-row buffers of a topk tree), `accept.b{B}.{method}[.{variant}]`.
+Keys: `prefill.{target|draft}.b{B}.c{C}`, `decode.b{B}.c{C}.{variant}`, `draft.b{B}.c{C}[.{variant}]`
+(`draft.b{B}[.{variant}]` for heads on the target's hidden state, which read no cache), `verify.b{B}.c{C}`,
+`tree.b{B}` (per-row buffers of a topk tree), `accept.b{B}.{method}[.{variant}]`. An n-gram proposer runs on
+the host: its plans have no draft graphs.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import Tensor
 
 from specair.compile.graph_def import GraphDef, GraphModule
 from specair.compile.plan import Plan
+from specair.compile.spec_config import CACHED_DRAFTS
 from specair.graphs.acceptance import accept_greedy, accept_rejection, accept_typical
 from specair.graphs.draft import draft_chain, draft_static_tree, draft_topk_tree
 from specair.graphs.steps import decode_step, prefill_chunk
@@ -37,8 +40,8 @@ class Catalog:
     def __init__(self, target: Transformer, plan: Plan, draft: Transformer | None = None) -> None:
         self.target, self.draft, self.plan = target, draft, plan
         self.spec = plan.speculative
-        if self.spec is not None and draft is None:
-            raise ValueError("a speculative plan needs a draft model")
+        if self.spec is not None and draft is None and self.spec.method != "ngram":
+            raise ValueError(f"a {self.spec.method} plan needs its draft model or heads")
         self._defs: dict[str, GraphDef] = {}
 
     # ---- keys ---------------------------------------------------------------------------------------
@@ -52,7 +55,8 @@ class Catalog:
         parts = {
             "prefill.target": f"b{batch}.c{ctx}", "prefill.draft": f"b{batch}.c{ctx}",
             "decode": f"b{batch}.c{ctx}.{variant}", "verify": f"b{batch}.c{ctx}", "tree": f"b{batch}",
-            "draft": f"b{batch}.c{ctx}" + (f".{self._filtered(variant)}" if self._chain else ""),
+            "draft": (f"b{batch}" if self._heads else f"b{batch}.c{ctx}")
+                     + (f".{self._filtered(variant)}" if self._chain else ""),
             "accept": f"b{batch}.{method}" + (f".{self._filtered(variant)}" if method != "greedy" else ""),
         }
         return f"{kind}.{parts[kind]}"
@@ -65,8 +69,10 @@ class Catalog:
                 out.append(self.key("prefill.target", b, c))
                 out += [self.key("decode", b, c, v) for v in p.variants]
                 if self.spec:
-                    out.append(self.key("prefill.draft", b, c))
-                    out += list(dict.fromkeys(self.key("draft", b, c, v) for v in p.variants))
+                    if self.spec.method in CACHED_DRAFTS:
+                        out.append(self.key("prefill.draft", b, c))
+                    if self.spec.method != "ngram":
+                        out += [self.key("draft", b, c, v) for v in p.variants]
                     out.append(self.key("verify", b, c))
             if self.spec:
                 if p.tree.kind == "topk":
@@ -76,7 +82,12 @@ class Catalog:
 
     @property
     def _chain(self) -> bool:
-        return self.plan.tree is not None and self.plan.tree.kind == "chain"
+        """Sampled chains: the draft graph depends on the sampling variant."""
+        return self.plan.tree is not None and self.plan.tree.kind == "chain" and self.spec.method != "medusa"
+
+    @property
+    def _heads(self) -> bool:
+        return self.spec is not None and self.spec.method in ("medusa", "mlp_speculator")
 
     @staticmethod
     def _filtered(variant: str) -> str:
@@ -124,9 +135,18 @@ class Catalog:
         chunk = self.plan.prefill_chunk
         k, v = self.caches(model, B)
         inputs = [torch.zeros(B, chunk, dtype=L), torch.zeros(B, dtype=L), torch.ones(B, dtype=L), k, v]
+        names = ["tokens", "cache_len", "n_valid", "k_cache", "v_cache"]
         role = "target" if model is self.target else "draft"
-        return (prefill_chunk, {role: model}, {"ctx": C}, inputs,
-                ["tokens", "cache_len", "n_valid", "k_cache", "v_cache"], ["logits", "hidden", "new_k", "new_v"])
+        fn = prefill_chunk
+        if role == "draft" and self.spec.method == "eagle":  # entry p pairs token p+1 with target hidden p
+            fn = _eagle_prefill_graph
+            inputs.append(torch.zeros(B, chunk, self._hidden_size, dtype=self.target.dtype))
+            names.append("input_hidden")
+        return fn, {role: model}, {"ctx": C}, inputs, names, ["logits", "hidden", "new_k", "new_v"]
+
+    @property
+    def _hidden_size(self) -> int:
+        return self.target.config.hidden_size
 
     def _decode(self, B: int, C: int, variant: str, **_):
         k, v = self.caches(self.target, B)
@@ -139,6 +159,19 @@ class Catalog:
     def _draft(self, B: int, C: int, variant: str, **_):
         tree = self.plan.tree
         D = tree.depth
+        method = self.spec.method
+        if method in ("medusa", "mlp_speculator"):
+            from specair.graphs.heads import medusa_tree, mlp_speculator_chain  # TODO(lead): top-level once heads land
+        if method == "medusa":
+            return (medusa_tree, {"draft": self.draft},
+                    {"template": tree.template, "buffers": self._on_device(tree.template.buffers())},
+                    [torch.zeros(B, self._hidden_size, dtype=self.target.dtype), torch.zeros(B, dtype=L)],
+                    ["hidden", "root"], ["tree_tokens", "draft_probs"])
+        if method == "mlp_speculator":
+            return (mlp_speculator_chain, {"draft": self.draft}, {"k": D, "filtered": variant == "filtered"},
+                    [torch.zeros(B, self._hidden_size, dtype=self.target.dtype), torch.zeros(B, dtype=L),
+                     *self._sampling(B), torch.zeros(B, D, dtype=uniform_dtype(self.target.dtype))],
+                    ["hidden", "root", "temperature", "top_k", "top_p", "uniforms"], ["tree_tokens", "draft_probs"])
         k, v = self.caches(self.draft, B)
         base = [torch.zeros(B, D + 1, dtype=L), torch.ones(B, dtype=L), torch.zeros(B, dtype=L), k, v]
         names = ["catch_tokens", "n_catch", "draft_len", "k_cache", "v_cache"]
@@ -155,6 +188,11 @@ class Catalog:
             fn = draft_topk_tree
             static = {"depth": D, "topk": tree.topk, "num_nodes": tree.num_nodes - 1, "ctx": C}
             outs = ["tree_tokens", "parents", "draft_probs", "catch_k", "catch_v"]
+        if method == "eagle":  # the catch-up entries' target hidden states
+            static = {**static, "draft_fn": fn}
+            fn = _eagle_draft_graph
+            base.append(torch.zeros(B, D + 1, self._hidden_size, dtype=self.target.dtype))
+            names.append("catch_hidden")
         return fn, {"draft": self.draft}, static, base, names, outs
 
     def _verify(self, B: int, C: int, **_):
@@ -205,9 +243,22 @@ class Catalog:
 
 def _draft_chain_graph(draft: Transformer, catch_tokens: Tensor, n_catch: Tensor, draft_len: Tensor,
                        k_cache: Tensor, v_cache: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
-                       uniforms: Tensor, *, k: int, ctx: int, filtered: bool):
+                       uniforms: Tensor, catch_hidden: Tensor | None = None, *, k: int, ctx: int, filtered: bool):
     return draft_chain(draft, catch_tokens, n_catch, draft_len, k_cache, v_cache, k, temperature, top_k, top_p,
-                       uniforms, ctx, filtered)
+                       uniforms, ctx, filtered, catch_hidden=catch_hidden)
+
+
+def _eagle_draft_graph(draft, *inputs: Tensor, draft_fn: Callable[..., tuple], **static):
+    """An EAGLE draft: the tree/chain function with the catch-up's target hidden states (the last input)."""
+    if draft_fn is _draft_chain_graph:
+        return draft_fn(draft, *inputs, **static)
+    *rest, catch_hidden = inputs
+    return draft_fn(draft, *rest, catch_hidden=catch_hidden, **static)
+
+
+def _eagle_prefill_graph(model, tokens: Tensor, cache_len: Tensor, n_valid: Tensor, k_cache: Tensor,
+                         v_cache: Tensor, input_hidden: Tensor, *, ctx: int):
+    return prefill_chunk(model, tokens, cache_len, n_valid, k_cache, v_cache, ctx, input_hidden=input_hidden)
 
 
 def _expanded_verify_graph(model: Transformer, tree_tokens: Tensor, root_pos: Tensor, k_cache: Tensor,

@@ -9,7 +9,9 @@ from typing import Any
 from specair.graphs.tree import TreeTemplate, get_template
 from specair.models.errors import InputError
 
-METHODS = ("draft_model", "layer_skip")
+METHODS = ("draft_model", "layer_skip", "ngram", "medusa", "eagle", "mlp_speculator")
+HEAD_METHODS = ("medusa", "eagle", "mlp_speculator")  # heads on the target's hidden state; shipped for the default model
+CACHED_DRAFTS = ("draft_model", "layer_skip", "eagle")  # proposers with a KV cache of their own
 ACCEPTANCE = ("rejection", "greedy", "typical")
 SCORERS = ("tree", "batch_expansion")
 
@@ -20,13 +22,16 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    model: str | None = None  # draft_model: path of the draft checkpoint
+    model: str | None = None  # draft_model: the draft checkpoint; medusa/eagle/mlp_speculator: the heads
     num_layers: int | None = None  # layer_skip: target layers the draft keeps
     tree: Any = None  # None/"chain", "kary:DxW", "mc_sim_7b_63", "topk:KxN", or a Medusa choice list
     acceptance: str = "rejection"  # exact; reduces to greedy matching at temperature 0
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
     scorer: str = "tree"
+    disable_by_batch_size: int | None = None  # plain decode steps while more sequences than this are running
+    prompt_lookup_min: int | None = None  # ngram: shortest suffix to match (default 1)
+    prompt_lookup_max: int | None = None  # ngram: longest suffix to match (default 4)
 
     @classmethod
     def parse(cls, spec: str | dict[str, Any]) -> "SpeculativeConfig":
@@ -55,10 +60,27 @@ class SpeculativeConfig:
             raise InputError(f"'acceptance' must be one of {ACCEPTANCE}, got {spec.get('acceptance')!r}")
         if spec.get("scorer", "tree") not in SCORERS:
             raise InputError(f"'scorer' must be one of {SCORERS}, got {spec.get('scorer')!r}")
+        for key in ("disable_by_batch_size", "prompt_lookup_min", "prompt_lookup_max"):
+            if spec.get(key) is not None and not (isinstance(spec[key], int) and spec[key] >= 1):
+                raise InputError(f"'{key}' must be a positive integer, got {spec[key]!r}")
+        if spec["method"] == "ngram":
+            lo, hi = spec.get("prompt_lookup_min") or 1, spec.get("prompt_lookup_max") or 4
+            if lo > hi:
+                raise InputError(f"'prompt_lookup_min' ({lo}) exceeds 'prompt_lookup_max' ({hi})")
+            spec = {**spec, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+            if spec.get("tree") not in (None, "chain"):
+                raise InputError("method 'ngram' proposes a chain; drop 'tree'")
+        elif spec.get("prompt_lookup_min") is not None or spec.get("prompt_lookup_max") is not None:
+            raise InputError("'prompt_lookup_min'/'prompt_lookup_max' apply to method 'ngram' only")
+        if spec["method"] == "mlp_speculator" and spec.get("tree") not in (None, "chain"):
+            raise InputError("method 'mlp_speculator' proposes a chain; drop 'tree'")
         for key in ("posterior_threshold", "posterior_alpha"):
             if key in spec and not (isinstance(spec[key], (int, float)) and spec[key] > 0):
                 raise InputError(f"'{key}' must be a positive number")
         config = cls(**spec)
+        if config.method == "medusa" and tree_shape(config).kind == "topk":
+            raise InputError("Medusa heads do not condition on the parent token: use a static tree "
+                             "(a choice list, 'kary:DxW' or 'mc_sim_7b_63'), not 'topk:KxN'")
         tree_shape(config)  # validate the tree now, not at the first step
         return config
 

@@ -1,8 +1,9 @@
-"""From command-line choices to a ready decoder: load the models, then either open a compiled artifact
+"""From command-line choices to a ready engine: load the models, then either open a compiled artifact
 directory or build graphs on demand with a backend; and `specair compile`'s ahead-of-time build."""
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 import sys
 import time
@@ -20,8 +21,7 @@ from specair.compile.spec_config import SpeculativeConfig
 from specair.models.checkpoint import load_checkpoint
 from specair.models.errors import InputError
 from specair.models.llama import Transformer, build_model, truncated
-from specair.runtime.reference import Decoder, ReferenceDecoder
-from specair.runtime.speculative import SpeculativeDecoder
+from specair.runtime.engine import Engine
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -48,67 +48,110 @@ def load_model(path: str | None, dtype: str) -> tuple[Transformer, Any, str]:
     return model, ckpt.tokenizer, ckpt.fingerprint
 
 
+SHIPPED_HEADS = {"eagle": "eagle", "medusa": "medusa"}
+
+
+def shipped_head(method: str) -> Path:
+    """The trained heads shipped for the default model (models/heads/)."""
+    from specair import models
+
+    path = Path(models.__file__).parent / "heads" / "smollm2-135m-instruct" / SHIPPED_HEADS[method]
+    if not path.exists():
+        raise InputError(f"no shipped {method} heads at {path}; pass 'model' in --speculative-config")
+    return path
+
+
+def _file_fingerprint(path: Path) -> str:
+    files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
 def load_models(path: str | None, dtype: str, spec: SpeculativeConfig | None) -> Models:
-    """The target, its tokenizer and the draft the speculative config names (refusing a vocabulary mismatch)."""
+    """The target, its tokenizer and the proposer the speculative config names: a draft model (refusing a
+    vocabulary mismatch), the target's first layers, or heads on the target (shipped ones for the default
+    model when no path is given). An n-gram proposer needs no model."""
     target, tokenizer, fp = load_model(path, dtype)
     fingerprints: dict[str, Any] = {"target": fp, "tokenizer": tokenizer_fingerprint(tokenizer), "dtype": dtype}
     draft = None
-    if spec is not None and spec.method == "layer_skip":
+    if spec is None or spec.method == "ngram":
+        pass
+    elif spec.method == "layer_skip":
         draft = truncated(target, spec.num_layers)
         fingerprints["draft"] = f"layer_skip:{spec.num_layers}"
-    elif spec is not None:
+    elif spec.method == "draft_model":
         draft, draft_tok, fingerprints["draft"] = load_model(spec.model, dtype)
-        if tokenizer is not None and draft_tok is not None and \
-                tokenizer.backend.get_vocab() != draft_tok.backend.get_vocab():
+        if draft.config.vocab_size != target.config.vocab_size or (
+                tokenizer is not None and draft_tok is not None
+                and tokenizer.backend.get_vocab() != draft_tok.backend.get_vocab()):
             raise InputError(f"the draft model {spec.model} has a different tokenizer than the target; "
                              "a draft must share the target's vocabulary")
+    else:
+        if spec.model is None and path is not None:
+            raise InputError(f"method {spec.method!r} needs 'model' (the heads' path): heads are shipped only "
+                             "for the default model")
+        head_path = Path(spec.model).expanduser() if spec.model else shipped_head(spec.method)
+        if not head_path.exists():
+            raise InputError(f"{head_path}: no such file or directory")
+        if spec.method == "eagle":
+            from specair.models.eagle import load_eagle as load
+        elif spec.method == "medusa":
+            from specair.models.medusa import load_medusa as load
+        else:
+            from specair.models.mlp_speculator import load_mlp_speculator as load
+        draft = load(head_path, target)
+        fingerprints["draft"] = f"{spec.method}:{_file_fingerprint(head_path)}"
+        log(f"loaded {spec.method} heads from {head_path}")
     return Models(target, tokenizer, draft, fingerprints)
 
 
-def parse_spec(spec_json: str | None) -> SpeculativeConfig | None:
+def parse_spec(spec_json: str | dict | None) -> SpeculativeConfig | None:
     return None if spec_json is None else SpeculativeConfig.parse(spec_json)
 
 
-def make_decoder(models: Models, graphs: GraphSet) -> Decoder:
-    if graphs.plan.speculative is None:
-        return ReferenceDecoder(models.target, models.tokenizer, graphs=graphs)
-    spec = graphs.plan.speculative
-    log(f"speculating with {spec.method} (k={spec.num_speculative_tokens}, tree={spec.tree or 'chain'}, "
-        f"acceptance={spec.acceptance}, backend={graphs.backend.name})")
-    return SpeculativeDecoder(models.target, models.draft, tokenizer=models.tokenizer, graphs=graphs)
-
-
-def open_decoder(model: str | None, dtype: str, spec_json: str | None, backend: str | None,
-                 artifacts: str | None, max_context: int | None, threads: int | None) -> Decoder:
-    """A decoder for `specair generate`: from an artifact directory (no compiling), or with graphs
-    built on first use by `backend` (eager by default)."""
+def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | dict | None = None,
+                backend: str | None = None, artifacts: str | None = None, max_context: int | None = None,
+                threads: int | None = None, batch_buckets: tuple[int, ...] = (1,), max_waiting: int = 64,
+                model_name: str | None = None) -> Engine:
+    """An engine from an artifact directory (compiling nothing), or with graphs built on first use by
+    `backend` (eager by default) for the given batch buckets."""
     spec = parse_spec(spec_json)
     if artifacts is None:
         be = get_backend(backend or "eager", threads)
         models = load_models(model, dtype, spec)
         cfg = models.target.config
         plan = Plan(max_context=min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings),
-                    batch_buckets=(1,), variants=VARIANTS, speculative=spec, dtype=dtype)
+                    batch_buckets=batch_buckets, variants=VARIANTS, speculative=spec, dtype=dtype)
         if be.name != "eager":
             log(f"specair: no --artifacts given: graphs are compiled with {be.name} as they are first needed")
-        return make_decoder(models, GraphSet(Catalog(models.target, plan, models.draft), be, None, lazy=True))
-    art = Path(artifacts)
-    manifest = read_manifest(art)
-    plan = Plan.from_json(manifest["plan"])
-    if backend is not None and backend != manifest["backend"]:
-        raise InputError(f"--backend {backend} but {art} holds {manifest['backend']} artifacts")
-    if spec is not None and spec != plan.speculative:
-        raise InputError(f"--speculative-config differs from the one {art} was compiled for "
-                         f"({plan.speculative}); omit it to use the compiled one, or recompile")
-    if max_context is not None and max_context != plan.max_context:
-        raise InputError(f"--max-context {max_context} differs from the compiled plan's {plan.max_context}")
-    be = get_backend(manifest["backend"], threads)
-    models = load_models(model, plan.dtype, plan.speculative)
-    hint = compile_command(model, plan, be.name, art)
-    t0 = time.perf_counter()
-    graphs = load_artifacts(Catalog(models.target, plan, models.draft), be, art, manifest, models.fingerprints, hint)
-    log(f"loaded {len(graphs.fns)} {be.name} graphs from {art} in {time.perf_counter() - t0:.1f}s")
-    return make_decoder(models, graphs)
+        graphs = GraphSet(Catalog(models.target, plan, models.draft), be, None, lazy=True)
+    else:
+        art = Path(artifacts)
+        manifest = read_manifest(art)
+        plan = Plan.from_json(manifest["plan"])
+        if backend is not None and backend != manifest["backend"]:
+            raise InputError(f"--backend {backend} but {art} holds {manifest['backend']} artifacts")
+        if spec is not None and spec != plan.speculative:
+            raise InputError(f"--speculative-config differs from the one {art} was compiled for "
+                             f"({plan.speculative}); omit it to use the compiled one, or recompile")
+        if max_context is not None and max_context != plan.max_context:
+            raise InputError(f"--max-context {max_context} differs from the compiled plan's {plan.max_context}")
+        be = get_backend(manifest["backend"], threads)
+        models = load_models(model, plan.dtype, plan.speculative)
+        hint = compile_command(model, plan, be.name, art)
+        t0 = time.perf_counter()
+        graphs = load_artifacts(Catalog(models.target, plan, models.draft), be, art, manifest, models.fingerprints,
+                                hint)
+        log(f"loaded {len(graphs.fns)} {be.name} graphs from {art} in {time.perf_counter() - t0:.1f}s")
+    if plan.speculative is not None:
+        s = plan.speculative
+        log(f"speculating with {s.method} (k={s.num_speculative_tokens}, tree={s.tree or 'chain'}, "
+            f"acceptance={s.acceptance}, backend={graphs.backend.name})")
+    name = model_name or (Path(model).name if model else "SmolLM2-135M-Instruct")
+    return Engine(models.target, models.tokenizer, models.draft, graphs, max_waiting=max_waiting, model_name=name)
 
 
 def compile_command(model: str | None, plan: Plan, backend: str, out: Path) -> str:

@@ -64,31 +64,89 @@ def _read_jsonl(path: str) -> Iterator[dict]:
         yield rec
 
 
-def cmd_generate(args: argparse.Namespace) -> None:
-    from specair.runtime.build import open_decoder, parse_spec
+def _sampling(args: argparse.Namespace):
     from specair.runtime.params import SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+
+
+def _engine(args: argparse.Namespace):
+    from specair.runtime.build import open_engine, parse_spec
+
     parse_spec(args.speculative_config)  # fail on a bad config before loading anything
-    decoder = open_decoder(args.model, args.dtype, args.speculative_config, args.backend, args.artifacts,
-                           args.max_context, args.threads)
-    tokenizer = decoder.tokenizer
-    for ids in read_prompts(args, tokenizer):
-        for event in decoder.stream(ids, params):
-            if not args.json:
-                print(event.text, end="", flush=True)
-        res = event.result
+    return open_engine(args.model, args.dtype, args.speculative_config, args.backend, args.artifacts,
+                       args.max_context, args.threads, getattr(args, "batch_buckets", (1,)))
+
+
+def _stream(engine, ids: list[int], params, echo: bool):
+    """Run one request to the end, printing its text as it comes; return its GenerationResult."""
+    rid = engine.add_request(ids, params)
+    while True:
+        for ev in engine.step():
+            if ev.request_id != rid:
+                continue
+            if echo:
+                print(ev.text, end="", flush=True)
+            if ev.result is not None:
+                return ev.result
+
+
+def _summary(res) -> str:
+    spec = res.extra.get("spec")
+    tau = f" | {spec['mean_accepted_length']:.2f} tokens per target pass" if spec else ""
+    return (f"[{res.num_prompt_tokens} prompt tokens, {res.prefill_tokens_per_s:.1f} tok/s prefill, "
+            f"ttft {res.ttft_s * 1000:.0f} ms | {res.num_generated_tokens} generated, "
+            f"{res.decode_tokens_per_s:.1f} tok/s decode{tau} | finish: {res.finish_reason}]")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    params = _sampling(args)
+    engine = _engine(args)
+    for ids in read_prompts(args, engine.tokenizer):
+        res = _stream(engine, ids, params, echo=not args.json)
         if args.json:
-            print(json.dumps({**res.to_json(), "backend": decoder.graphs.backend.name}, ensure_ascii=False),
+            print(json.dumps({**res.to_json(), "backend": engine.graphs.backend.name}, ensure_ascii=False),
                   flush=True)
         else:
             print(flush=True)
-            spec = res.extra.get("spec")
-            tau = f" | {spec['mean_accepted_length']:.2f} tokens per target pass" if spec else ""
-            log(f"[{res.num_prompt_tokens} prompt tokens, {res.prefill_tokens_per_s:.1f} tok/s prefill, "
-                f"ttft {res.ttft_s * 1000:.0f} ms | {res.num_generated_tokens} generated, "
-                f"{res.decode_tokens_per_s:.1f} tok/s decode{tau} | finish: {res.finish_reason}]")
+            log(_summary(res))
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    """An interactive chat: the model's chat template, streamed replies, speed and τ after each."""
+    params = _sampling(args)
+    engine = _engine(args)
+    tok = engine.tokenizer
+    if tok is None:
+        raise InputError("this checkpoint has no tokenizer, so it cannot chat")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    log("specair chat: type a message; /reset starts over, /exit (or Ctrl-D) quits")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            messages = list(system)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+        try:
+            res = _stream(engine, ids, params, echo=True)
+        except InputError as e:  # e.g. the conversation outgrew the context: say so, keep chatting
+            messages.pop()
+            log(f"specair: {e}; /reset to start over")
+            continue
+        print(flush=True)
+        messages.append({"role": "assistant", "content": res.text})
+        log(_summary(res))
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -112,6 +170,18 @@ def cmd_check_onnx(args: argparse.Namespace) -> int:
     return main_check_onnx(args.files)
 
 
+def _sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--backend", help="compile graphs with this backend as they are first needed (default eager)")
+    p.add_argument("--artifacts", metavar="DIR", help="run from a `specair compile` directory, compiling nothing")
+
+
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF checkpoint dir, GGUF file or llama2.c .bin (default: SmolLM2-135M-Instruct)")
     p.add_argument("--speculative-config", metavar="JSON",
@@ -131,17 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", metavar="FILE.jsonl", help='one {"prompt": ...} or {"messages": [...]} per line')
     src.add_argument("--prompt-ids", metavar="JSON_LIST", help="prompt as token ids, e.g. '[1, 2, 3]'")
     g.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--backend", help="compile graphs with this backend as they are first needed (default eager)")
-    g.add_argument("--artifacts", metavar="DIR", help="run from a `specair compile` directory, compiling nothing")
+    _sampling_options(g)
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt on stdout")
     g.set_defaults(func=cmd_generate)
+
+    ch = sub.add_parser("chat", help="chat interactively (chat template, streamed replies, tokens/s and τ)")
+    _model_options(ch)
+    _sampling_options(ch)
+    ch.add_argument("--system", help="a system message to start the conversation with")
+    ch.set_defaults(func=cmd_chat)
 
     c = sub.add_parser("compile", help="compile every graph of a bucket plan ahead of time")
     _model_options(c)

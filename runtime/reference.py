@@ -33,6 +33,8 @@ class StreamEvent:
     text: str
     token_ids: list[int]
     result: GenerationResult | None = None
+    request_id: str = ""
+    draft: tuple[int, int] | None = None  # (proposed, accepted) draft tokens when these came from one speculative step
 
 
 class Request:
