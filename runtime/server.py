@@ -1,0 +1,591 @@
+"""`specair serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) with Prometheus metrics.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream with `"stream": true` as server-sent
+events), GET /v1/models, GET /health, GET /metrics. Request and response shapes follow OpenAI's API as vLLM's
+server implements it, with vLLM's extensions `top_k`, `ignore_eos` and `add_generation_prompt`, and one of our
+own: every response (the last chunk of a stream) carries `spec_decode`, the request's speculation statistics,
+when the server speculates.
+
+Errors have OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for a request that cannot be
+served as written (never 422), 404 for an unknown model or path, 429 when the engine's queue is full, 500 when
+the engine fails on a request (the others keep going), 503 when the engine has stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import sys
+import time
+import uuid
+from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specair.models.errors import InputError, SpecairError
+from specair.runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
+from specair.runtime.metrics import ServerMetrics
+from specair.runtime.params import GenerationResult, SamplingParams
+
+logger = logging.getLogger("specair.serve")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody reads it, the access log does
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _api_error_from(e: BaseException) -> ApiError:
+    """The HTTP answer for an exception raised while admitting or serving a request."""
+    from specair.runtime.engine import QueueFullError
+
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, QueueFullError):
+        return ApiError(429, f"the server is busy: {e}; retry later", code="queue_full", type="rate_limit_error")
+    if isinstance(e, EngineDeadError):
+        return ApiError(503, f"the engine is not serving: {e}", code="engine_dead")
+    if isinstance(e, RequestFailedError):
+        return ApiError(500, str(e), code="engine_error")
+    if isinstance(e, SpecairError):  # InputError and kin: the request as written cannot be served
+        return ApiError(400, str(e))
+    return ApiError(500, f"internal error: {e!r}", code="internal_error")
+
+
+def _validation_message(err: dict[str, Any]) -> tuple[str, str | None]:
+    """A readable message and the offending parameter for one pydantic error."""
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    kind, msg = err.get("type", ""), str(err.get("msg", "invalid value"))
+    if kind == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", msg)
+        return f"the request body is not valid JSON: {detail}", None
+    if kind == "extra_forbidden":
+        return f"unknown or unsupported field '{param}'", param
+    if kind == "missing":
+        return f"missing required field '{param}'", param
+    msg = msg.removeprefix("Value error, ")
+    if param is None:
+        return f"the request body must be a JSON object: {msg}", None
+    return f"{param}: {msg}", param
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Request bodies
+
+
+class _Strict(BaseModel):
+    # Unknown fields are errors (a typo must not be silently ignored); no string-to-number coercion.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1 disables (vLLM's convention)")
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported (one choice per request); send several requests instead")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v is not None and (v == "" or any(not s for s in ([v] if isinstance(v, str) else v))):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=max(self.top_k, 0), seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+            raise ValueError("a list of prompts is not supported; send one request per prompt")
+        if isinstance(v, list) and any(isinstance(x, list) for x in v):
+            raise ValueError("a list of token-id prompts is not supported; send one request per prompt")
+        if not isinstance(v, (str, list)) or (isinstance(v, list) and not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in v)):
+            raise ValueError("prompt must be a string or a list of token ids (integers)")
+        return v
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for part in v:
+                if isinstance(part, dict) and part.get("type") != "text":
+                    raise ValueError(f"content part of type {part.get('type')!r} is not supported; "
+                                     "only text parts are")
+        return v
+
+    def as_template_input(self) -> dict[str, Any]:
+        text = self.content if isinstance(self.content, str) or self.content is None else \
+            "".join(p.text for p in self.content)
+        msg: dict[str, Any] = {"role": self.role, "content": text or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    add_generation_prompt: bool = True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Serving
+
+
+def spec_decode_stats(result: GenerationResult) -> dict[str, Any] | None:
+    """The request's speculation statistics for the `spec_decode` response field (None when not speculating)."""
+    spec = result.extra.get("spec")
+    if not spec:
+        return None
+    out = dict(spec)
+    drafted = spec.get("num_draft_tokens") or 0
+    out["acceptance_rate"] = spec.get("num_accepted_tokens", 0) / drafted if drafted else None
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
+
+
+def usage(result: GenerationResult) -> dict[str, int]:
+    return {"prompt_tokens": result.num_prompt_tokens, "completion_tokens": result.num_generated_tokens,
+            "total_tokens": result.num_prompt_tokens + result.num_generated_tokens}
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class OpenAIServer:
+    """The HTTP handlers over one AsyncEngine."""
+
+    def __init__(self, async_engine: AsyncEngine, model_name: str, *, tokenizer: Any, max_context: int,
+                 model_root: str | None = None) -> None:
+        self.engine, self.model_name, self.tokenizer = async_engine, model_name, tokenizer
+        self.max_context, self.model_root = max_context, model_root or model_name
+        self.created = int(time.time())
+
+    # -- admission ------------------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def max_tokens_for(self, requested: int | None, default: int | None, num_prompt: int, param: str) -> int:
+        """The generation budget: the request's, checked against the context, else the default that fits."""
+        if num_prompt >= self.max_context:
+            raise ApiError(400, f"This model's maximum context length is {self.max_context} tokens, but the "
+                                f"prompt has {num_prompt} tokens (at least one more is needed to generate). "
+                                "Please shorten the prompt.", param="prompt", code="context_length_exceeded")
+        room = self.max_context - num_prompt
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise ApiError(400, f"This model's maximum context length is {self.max_context} tokens. However, you "
+                                f"requested {num_prompt + requested} tokens ({num_prompt} in the prompt, "
+                                f"{requested} for the completion). Please reduce the length of the prompt or "
+                                f"{param}.", param=param, code="context_length_exceeded")
+        return requested
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, str):
+            if not req.prompt:
+                raise ApiError(400, "the prompt is empty", param="prompt")
+            if self.tokenizer is None:
+                raise ApiError(400, "this model has no tokenizer; send the prompt as a list of token ids",
+                               param="prompt")
+            ids = self.tokenizer.encode(req.prompt)
+        else:
+            ids = list(req.prompt)
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return ids
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer, so no chat template; use /v1/completions with "
+                                "token ids", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template([m.as_template_input() for m in req.messages],
+                                                      add_generation_prompt=req.add_generation_prompt)
+        except InputError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ApiError(400, "the chat template rendered these messages as an empty prompt", param="messages")
+        return ids
+
+    def submit(self, ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        try:
+            return self.engine.add_request(ids, params, request_id)
+        except Exception as e:  # noqa: BLE001 -- every admission failure becomes an HTTP answer
+            raise _api_error_from(e) from None
+
+    # -- endpoints ------------------------------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        req.check_stream_options()
+        ids = self.completion_prompt(req)
+        params = self._params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(ids), "max_tokens")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stream = self.submit(ids, params, rid)
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            def chunk(text: str, result: GenerationResult | None) -> dict[str, Any] | None:
+                if result is None and not text:
+                    return None
+                body = {**head, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                             "finish_reason": result.finish_reason if result else None,
+                                             "stop_reason": None}]}
+                if result is not None and (spec := spec_decode_stats(result)) is not None:
+                    body["spec_decode"] = spec
+                return body
+
+            return self._sse(stream, head, chunk, include_usage)
+
+        result = await self._wait_result(stream, raw)
+        if result is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        body = {**head, "choices": [{"index": 0, "text": result.text, "logprobs": None,
+                                     "finish_reason": result.finish_reason, "stop_reason": None}],
+                "usage": usage(result)}
+        if (spec := spec_decode_stats(result)) is not None:
+            body["spec_decode"] = spec
+        return JSONResponse(body, headers={"X-Request-Id": rid})
+
+    async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        req.check_stream_options()
+        ids = self.chat_prompt(req)
+        requested, param = ((req.max_completion_tokens, "max_completion_tokens")
+                            if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
+        params = self._params(req, requested, None, len(ids), param)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = self.submit(ids, params, rid)
+        head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            chunk_head = {**head, "object": "chat.completion.chunk"}
+            # The role comes first, alone, as OpenAI and vLLM send it: it tells the client the request is admitted.
+            opening = {**chunk_head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]}
+
+            def chunk(text: str, result: GenerationResult | None) -> dict[str, Any] | None:
+                if result is None and not text:
+                    return None
+                body = {**chunk_head, "choices": [{"index": 0, "delta": {"content": text} if text else {},
+                                                   "logprobs": None,
+                                                   "finish_reason": result.finish_reason if result else None}]}
+                if result is not None and (spec := spec_decode_stats(result)) is not None:
+                    body["spec_decode"] = spec
+                return body
+
+            return self._sse(stream, chunk_head, chunk, include_usage, opening)
+
+        result = await self._wait_result(stream, raw)
+        if result is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        body = {**head, "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                                     "logprobs": None, "finish_reason": result.finish_reason}],
+                "usage": usage(result)}
+        if (spec := spec_decode_stats(result)) is not None:
+            body["spec_decode"] = spec
+        return JSONResponse(body, headers={"X-Request-Id": rid})
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "specair",
+            "root": self.model_root, "parent": None, "max_model_len": self.max_context}]}
+
+    # -- helpers --------------------------------------------------------------------------------------------
+
+    def _params(self, req: _SamplingRequest, requested: int | None, default: int | None, num_prompt: int,
+                param: str) -> SamplingParams:
+        max_tokens = self.max_tokens_for(requested, default, num_prompt, param)
+        try:
+            return req.sampling_params(max_tokens)
+        except InputError as e:
+            raise ApiError(400, str(e)) from None
+
+    async def _wait_result(self, stream: RequestStream, raw: Request) -> GenerationResult | None:
+        """The request's result; None when the client disconnected first (the request is then aborted)."""
+
+        async def collect() -> GenerationResult:
+            async for event in stream:
+                if event.result is not None:
+                    return event.result
+            raise RequestFailedError("the engine ended the request without a result")
+
+        async def disconnected() -> None:
+            while (await raw.receive())["type"] != "http.disconnect":
+                pass
+
+        work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+            stream.abort()  # frees the slot unless the request finished
+        if work not in done:
+            logger.info("client went away before %s finished: aborted", stream.request_id)
+            return None
+        try:
+            return work.result()
+        except Exception as e:  # noqa: BLE001 -- one request's failure is its own 500, never the server's
+            raise _api_error_from(e) from None
+
+    def _sse(self, stream: RequestStream, head: dict[str, Any], make_chunk: Any, include_usage: bool,
+             opening: dict[str, Any] | None = None) -> StreamingResponse:
+        """Server-sent events: `make_chunk(text, result)` turns each engine event into a chunk (or None to skip
+        it); a usage chunk follows the last one when asked for; `data: [DONE]` ends the stream."""
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                if opening is not None:
+                    yield sse(opening)
+                async for event in stream:
+                    result = event.result
+                    payload = make_chunk(event.text, result)
+                    if payload is not None:
+                        yield sse(payload)
+                    if result is not None and include_usage:
+                        yield sse({**head, "choices": [], "usage": usage(result)})
+            except Exception as e:  # noqa: BLE001 -- the response has started: report in-band, as vLLM does
+                err = _api_error_from(e)
+                logger.warning("request %s failed: %s", stream.request_id, err.message)
+                yield sse(err.body())
+            finally:
+                stream.abort()  # a client that went away frees its slot now, not when the generator is collected
+            yield sse("[DONE]")
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"X-Request-Id": stream.request_id, "Cache-Control": "no-cache"})
+
+
+def build_app(engine: Any, *, served_model_name: str | None = None, batch_buckets: tuple[int, ...] = (),
+              model_root: str | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (a specair.runtime.engine.Engine); its stepping thread starts with the
+    app's lifespan and stops with it."""
+    model_name = served_model_name or getattr(engine, "model_name", None) or "specair"
+    # The engine's own plan knows the buckets (an artifact directory's may differ from the command line's);
+    # per-position counters exist from the start for its lookahead depth (more appear if needed).
+    buckets = tuple(getattr(getattr(engine, "plan", None), "batch_buckets", None) or batch_buckets)
+    metrics = ServerMetrics(model_name, buckets, getattr(engine, "depth", 0) or 0, engine.max_context)
+    async_engine = AsyncEngine(engine, metrics)
+    server = OpenAIServer(async_engine, model_name, tokenizer=engine.tokenizer, max_context=engine.max_context,
+                          model_root=model_root)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+
+    app = FastAPI(title="specair", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        message, param = _validation_message(errors[0]) if errors else ("invalid request", None)
+        content_type = request.headers.get("content-type", "")
+        if param is None and "json" not in content_type:
+            message += f" (the body was sent as {content_type or 'no content type'}; send application/json)"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        return ApiError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return ApiError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None).response()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await server.completions(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await server.chat_completions(req, raw)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return server.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.alive:
+            return ApiError(503, f"the engine is not serving: {async_engine.dead_reason or 'not started'}",
+                            code="engine_dead").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        data, content_type = metrics.render()
+        return Response(data, media_type=content_type)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive batch sizes, got {text!r}")
+    return tuple(sorted(set(values)))
+
+
+def add_serve_parser(subparsers: Any) -> None:
+    """Register `specair serve` on the CLI's subparsers."""
+    from specair.runtime.build import DTYPES
+
+    p = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API with Prometheus metrics",
+                              description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, "
+                                          "/v1/models, /health, /metrics.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", help="HF checkpoint dir, GGUF file or llama2.c .bin (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help='e.g. \'{"method": "layer_skip", "num_layers": 8, "num_speculative_tokens": 4}\'')
+    p.add_argument("--backend", help="compile graphs with this backend as they are first needed (default eager)")
+    p.add_argument("--artifacts", metavar="DIR", help="serve from a `specair compile` directory, compiling nothing")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--max-context", type=int, help="tokens of context per sequence (default: the model's)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch and onnxruntime")
+    p.add_argument("--batch-buckets", type=_int_list, default=(1, 2, 4, 8), metavar="1,2,4,8",
+                   help="batch buckets; the largest is the number of concurrent sequences (default 1,2,4,8)")
+    p.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                   help="requests queued beyond the running ones before answering 429 (default 64)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the engine's model name)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Load the model, build the engine and serve until interrupted."""
+    import uvicorn
+
+    from specair.runtime.llm import LLM
+
+    if args.max_waiting < 0:
+        raise InputError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    extra = {"backend": args.backend} if args.backend else {}
+    llm = LLM(args.model, args.speculative_config, artifacts=args.artifacts, dtype=args.dtype,
+              max_context=args.max_context, batch_buckets=args.batch_buckets, threads=args.threads,
+              max_waiting=args.max_waiting, **extra)
+    app = build_app(llm.engine, served_model_name=args.served_model_name, batch_buckets=args.batch_buckets,
+                    model_root=args.model)
+    logger.info("serving %s on http://%s:%d (%d sequence slots, up to %d waiting)",
+                app.state.server.model_name, args.host, args.port, llm.engine.num_slots, args.max_waiting)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m specair.runtime.server [options]`: `specair serve` without the rest of the CLI."""
+    parser = argparse.ArgumentParser(prog="python -m specair.runtime.server")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        return cmd_serve(args)
+    except SpecairError as e:
+        print(f"specair: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
