@@ -154,6 +154,20 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
     return Engine(models.target, models.tokenizer, models.draft, graphs, max_waiting=max_waiting, model_name=name)
 
 
+def engine_from_models(target: Transformer, tokenizer: Any = None, draft: Any = None,
+                       spec: SpeculativeConfig | dict | str | None = None, *, max_context: int | None = None,
+                       prefill_chunk: int = 128, batch_buckets: tuple[int, ...] = (1,), backend: str = "eager",
+                       variants: tuple[str, ...] = VARIANTS, max_waiting: int = 64) -> Engine:
+    """An engine over models already in memory (graphs built on first use by `backend`)."""
+    cfg = target.config
+    plan = Plan(max_context=min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings),
+                batch_buckets=batch_buckets, prefill_chunk=prefill_chunk, variants=variants,
+                speculative=parse_spec(spec) if not isinstance(spec, SpeculativeConfig) else spec,
+                dtype=next(k for k, v in DTYPES.items() if v == target.dtype))
+    graphs = GraphSet(Catalog(target, plan, draft), get_backend(backend), None, lazy=True)
+    return Engine(target, tokenizer, draft, graphs, max_waiting=max_waiting)
+
+
 def compile_command(model: str | None, plan: Plan, backend: str, out: Path) -> str:
     """The `specair compile` command line that rebuilds artifacts for this plan."""
     import json

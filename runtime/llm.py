@@ -31,6 +31,13 @@ class LLM:
                                           artifacts, max_context, threads, tuple(batch_buckets), max_waiting)
         self.tokenizer = self.engine.tokenizer
 
+    @classmethod
+    def from_engine(cls, engine: Engine) -> "LLM":
+        """The API over an engine built elsewhere (e.g. `build.engine_from_models` over models in memory)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm.tokenizer = engine, engine.tokenizer
+        return llm
+
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt given as text or ids."""
         if isinstance(prompt, str):

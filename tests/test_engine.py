@@ -1,0 +1,152 @@
+"""The engine: continuous batching over slots gives, under greedy, exactly what each request gives alone, for
+every proposer kind, bucket and scorer; requests come and go; bad input is refused and loses nothing."""
+
+import pytest
+import torch
+from helpers import save_tiny
+
+from specair.models.checkpoint import load_checkpoint
+from specair.models.errors import InputError
+from specair.models.llama import build_model, truncated
+from specair.runtime.build import engine_from_models
+from specair.runtime.engine import QueueFullError
+from specair.runtime.llm import LLM
+from specair.runtime.params import SamplingParams
+
+# Prompts of different lengths (one longer than a prefill chunk) with different budgets, so rows join,
+# finish and leave at different steps and the batch bucket grows and shrinks.
+PROMPTS = [list(range(3, 40, 2)), [5, 6, 7], list(range(10, 50)), [9] * 5 + [11, 12], list(range(60, 20, -1))]
+BUDGETS = [40, 12, 33, 25, 18]
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory):
+    """A float64 random target and a float64 random one-layer draft over the same vocabulary (float64, so
+    batched and unbatched arithmetic agree to far below any logit gap)."""
+    models = []
+    for seed in (0, 1):
+        path = tmp_path_factory.mktemp(f"m{seed}")
+        save_tiny("llama", path, seed=seed, num_hidden_layers=2 if seed == 0 else 1)
+        ckpt = load_checkpoint(path, progress=False)
+        models.append(build_model(ckpt.config, ckpt.state_dict, torch.float64))
+    return models
+
+
+def run(engine, prompts=PROMPTS, budgets=BUDGETS, **kw):
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, **kw) for m in budgets]
+    return LLM.from_engine(engine).generate(prompts, params)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny64):
+    """Autoregressive greedy outputs, one request at a time."""
+    engine = engine_from_models(tiny64[0], prefill_chunk=16)
+    return [run(engine, [p], [m])[0].token_ids for p, m in zip(PROMPTS, BUDGETS)]
+
+
+CONFIGS = {
+    "autoregressive": None,
+    "draft chain": {"method": "draft_model", "model": "-", "num_speculative_tokens": 3},
+    "draft kary tree": {"method": "draft_model", "model": "-", "num_speculative_tokens": 2, "tree": "kary:2x2"},
+    "draft topk tree": {"method": "draft_model", "model": "-", "num_speculative_tokens": 3, "tree": "topk:2x5"},
+    "batch expansion": {"method": "draft_model", "model": "-", "num_speculative_tokens": 2, "tree": "kary:2x2",
+                        "scorer": "batch_expansion"},
+    "layer skip": {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 4},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+    "disabled above 2 rows": {"method": "draft_model", "model": "-", "num_speculative_tokens": 3,
+                              "disable_by_batch_size": 2},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_batched_greedy_equals_each_alone(tiny64, alone, name):
+    target, other = tiny64
+    spec = CONFIGS[name]
+    draft = None
+    if spec and spec["method"] == "draft_model":
+        draft = other
+    elif spec and spec["method"] == "layer_skip":
+        draft = truncated(target, spec["num_layers"])
+    engine = engine_from_models(target, None, draft, spec, prefill_chunk=16, batch_buckets=(1, 2, 4))
+    results = run(engine)
+    assert [r.token_ids for r in results] == alone
+    assert set(engine.bucket_steps) == {1, 2, 4}, engine.bucket_steps  # every bucket ran
+    assert engine.rows == [] and not engine.has_unfinished()
+    if spec and spec["method"] != "ngram":
+        for r in results:
+            s = r.extra["spec"]
+            assert s["num_draft_tokens"] == s["num_drafts"] * spec["num_speculative_tokens"]
+            assert sum(s["accepted_per_position"]) == s["num_accepted_tokens"]
+        assert sum(r.extra["spec"]["num_drafts"] > 0 for r in results) >= (1 if "disable_by_batch_size" in spec
+                                                                          else len(results))
+
+
+def test_ngram_speculates_on_repetitive_text(tiny64):
+    """A prompt that repeats itself: the n-gram proposer finds matches and they are accepted losslessly."""
+    target = tiny64[0]
+    prompt = [7, 8, 9, 10, 11] * 6
+    ref = run(engine_from_models(target, prefill_chunk=16), [prompt], [30])[0]
+    res = run(engine_from_models(target, spec={"method": "ngram", "num_speculative_tokens": 4},
+                                 prefill_chunk=16), [prompt], [30])[0]
+    assert res.token_ids == ref.token_ids
+    assert res.extra["spec"]["num_drafts"] > 0
+
+
+def test_abort_frees_the_slot_and_others_continue(tiny64, alone):
+    engine = engine_from_models(tiny64[0], prefill_chunk=16, batch_buckets=(1, 2))
+    keep = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=BUDGETS[0], ignore_eos=True))
+    drop = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=BUDGETS[2], ignore_eos=True))
+    results = {}
+    steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        if steps == 6:
+            engine.abort(drop)
+        for ev in engine.step():
+            if ev.result is not None:
+                results[ev.request_id] = ev.result
+    assert results[drop].finish_reason == "abort"
+    assert results[keep].token_ids == alone[0]
+    assert engine.rows == [] and engine.num_running == 0
+
+
+def test_bad_input_is_refused_and_loses_nothing(tiny64):
+    engine = engine_from_models(tiny64[0], max_context=64, prefill_chunk=16, batch_buckets=(1, 2), max_waiting=1)
+    with pytest.raises(InputError, match="empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(InputError, match="token ids"):
+        engine.add_request([1, 2, 10**6], SamplingParams())
+    with pytest.raises(InputError, match="context holds 64"):
+        engine.add_request(list(range(64)), SamplingParams())
+    ok = [engine.add_request([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)) for _ in range(3)]
+    with pytest.raises(QueueFullError):  # two slots and one waiting place are taken
+        engine.add_request([1, 2, 3], SamplingParams())
+    done = {}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.result is not None:
+                done[ev.request_id] = ev.result
+    assert sorted(done) == sorted(ok) and all(r.num_generated_tokens == 5 for r in done.values())
+    # A request near the end of the context stops at its edge instead of failing.
+    r = run(engine, [list(range(1, 60))], [100])[0]
+    assert r.finish_reason == "length" and r.num_generated_tokens == 64 - 59
+
+
+def test_greedy_acceptance_refuses_sampling(tiny64):
+    target, draft = tiny64
+    engine = engine_from_models(target, None, draft, {"method": "draft_model", "model": "-",
+                                                      "num_speculative_tokens": 2, "acceptance": "greedy"})
+    with pytest.raises(InputError, match="temperature 0"):
+        engine.add_request([1, 2], SamplingParams(temperature=0.7))
+
+
+def test_seeded_sampling_is_reproducible_in_a_batch(tiny64):
+    """Every request draws from its own seeded generator: the same seed gives the same tokens whatever runs
+    beside it."""
+    target, draft = tiny64
+    spec = {"method": "draft_model", "model": "-", "num_speculative_tokens": 3}
+    kw = dict(temperature=0.9, top_p=0.95, seed=1234)
+    alone_ = run(engine_from_models(target, None, draft, spec, prefill_chunk=16), [PROMPTS[0]], [20], **kw)[0]
+    batch = run(engine_from_models(target, None, draft, spec, prefill_chunk=16, batch_buckets=(1, 2, 4)),
+                PROMPTS[:3], [20, 20, 20], **kw)
+    assert batch[0].token_ids == alone_.token_ids
