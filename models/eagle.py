@@ -205,15 +205,16 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
     from safetensors.torch import load_file
 
     try:
-        with open(path, "rb") as f:
-            magic = f.read(2)
-    except OSError as e:
-        raise ModelFormatError(f"{path}: cannot read ({e.strerror})") from None
-    if magic[:2] == b"PK" or magic[:1] == b"\x80":
-        raise ModelFormatError(_pickle_message(path, "checkpoint"))
-    try:
         return load_file(str(path))
     except Exception as e:  # SafetensorError, OSError
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(2)
+        except OSError:
+            magic = b""
+        # torch.save writes a zip archive (PK) or, in the legacy format, a pickle (protocol byte 0x80).
+        if magic[:2] == b"PK" or magic[:1] == b"\x80":
+            raise ModelFormatError(_pickle_message(path, "checkpoint")) from None
         raise ModelFormatError(f"{path}: corrupt or truncated safetensors file ({e})") from None
 
 

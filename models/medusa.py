@@ -100,14 +100,14 @@ class MedusaHeads(nn.Module):
         return x.transpose(0, 1).reshape(*lead, self.num_heads, self.hidden_size)
 
     def logits(self, features: Tensor, reduced: bool = False) -> Tensor:
-        """Output projection of features [..., num_heads, H] -> [..., num_heads, V] (or [..., num_heads, Vd] over
-        the draft vocabulary with reduced=True, for training)."""
+        """Output projection of the first n heads' features [..., n, H] -> [..., n, V] (or [..., n, Vd] over the
+        draft vocabulary with reduced=True, for training)."""
         if self.tied:
             return lm_logits(features, self._shared_lm_weight(), self.draft_vocab, self.draft_lm_weight, reduced)
-        lead = features.shape[:-2]
-        x = features.reshape(-1, self.num_heads, self.hidden_size).transpose(0, 1)  # [NH, N, H]
-        out = x @ self.out_weight.transpose(1, 2)  # [NH, N, V]
-        return out.transpose(0, 1).reshape(*lead, self.num_heads, self.vocab_size)
+        lead, n = features.shape[:-2], features.shape[-2]  # n <= num_heads: the first n heads
+        x = features.reshape(-1, n, self.hidden_size).transpose(0, 1)  # [n, N, H]
+        out = x @ self.out_weight[:n].transpose(1, 2)  # [n, N, V]
+        return out.transpose(0, 1).reshape(*lead, n, self.vocab_size)
 
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] (the target's normed hidden state) -> logits [..., num_heads, V]."""
