@@ -135,7 +135,7 @@ class AsyncEngine:
             raise EngineDeadError(self._dead or "the engine is not running")
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
-        sink = _Sink(loop, asyncio.Queue(), RequestClock(time.perf_counter()))
+        sink = _Sink(loop, asyncio.Queue(), RequestClock(time.perf_counter(), len(prompt_ids)))
         with self._lock:
             if rid in self._sinks:
                 raise SpecairError(f"request id {rid!r} is already in flight")

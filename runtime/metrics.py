@@ -53,6 +53,7 @@ class RequestClock:
     """Timestamps (time.perf_counter) of one request, for the latency histograms."""
 
     arrival: float
+    num_prompt_tokens: int = 0
     first_token: float | None = None
     last_token: float | None = None
 
@@ -152,9 +153,10 @@ class ServerMetrics:
         if n:
             self.generation_tokens.inc(n)
             if clock is not None:
-                if clock.first_token is None:
+                if clock.first_token is None:  # its prefill is done: count the prompt now, as vLLM does
                     clock.first_token = now
                     self.time_to_first_token.observe(now - clock.arrival)
+                    self.prompt_tokens.inc(clock.num_prompt_tokens)
                 else:
                     self.inter_token_latency.observe(now - clock.last_token)
                 clock.last_token = now
@@ -174,7 +176,8 @@ class ServerMetrics:
             if child is None:  # a finish reason this file does not know yet: still count it
                 child = self.request_success[reason] = self._request_success_family.labels(self.model_name, reason)
             child.inc()
-            self.prompt_tokens.inc(res.num_prompt_tokens)
+            if clock is None and res.num_generated_tokens:  # an untracked request that got past its prefill
+                self.prompt_tokens.inc(res.num_prompt_tokens)
             self.request_prompt_tokens.observe(res.num_prompt_tokens)
             self.request_generation_tokens.observe(res.num_generated_tokens)
             if clock is not None:

@@ -380,7 +380,11 @@ def test_full_queue_gives_429_and_disconnects_free_their_slots(url: str) -> None
     aborted = metric(after, "specair:request_success_total", finished_reason="abort") - \
         metric(before, "specair:request_success_total", finished_reason="abort")
     assert aborted == SLOTS + MAX_WAITING
-    assert complete(url, prompt="served again", max_tokens=3)["usage"]["completion_tokens"] == 3
+    again = complete(url, prompt="a long answer", max_tokens=3)
+    assert again["usage"]["completion_tokens"] == 3
+    # Prompt tokens count once prefilled: the running requests' prompts, not those aborted in the queue.
+    assert metric(after, "specair:prompt_tokens_total") - metric(before, "specair:prompt_tokens_total") == \
+        SLOTS * again["usage"]["prompt_tokens"]
 
 
 def test_client_leaving_before_a_non_streamed_answer_aborts_it(url: str) -> None:
