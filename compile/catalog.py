@@ -161,14 +161,14 @@ class Catalog:
         D = tree.depth
         method = self.spec.method
         if method in ("medusa", "mlp_speculator"):
-            from specair.graphs.heads import medusa_tree, mlp_speculator_chain  # TODO(lead): top-level once heads land
+            from specair.graphs.heads import medusa_tree  # TODO(lead): top-level once heads land
         if method == "medusa":
             return (medusa_tree, {"draft": self.draft},
                     {"template": tree.template, "buffers": self._on_device(tree.template.buffers())},
                     [torch.zeros(B, self._hidden_size, dtype=self.target.dtype), torch.zeros(B, dtype=L)],
                     ["hidden", "root"], ["tree_tokens", "draft_probs"])
         if method == "mlp_speculator":
-            return (mlp_speculator_chain, {"draft": self.draft}, {"k": D, "filtered": variant == "filtered"},
+            return (_mlp_chain_graph, {"draft": self.draft}, {"k": D, "filtered": variant == "filtered"},
                     [torch.zeros(B, self._hidden_size, dtype=self.target.dtype), torch.zeros(B, dtype=L),
                      *self._sampling(B), torch.zeros(B, D, dtype=uniform_dtype(self.target.dtype))],
                     ["hidden", "root", "temperature", "top_k", "top_p", "uniforms"], ["tree_tokens", "draft_probs"])
@@ -246,6 +246,13 @@ def _draft_chain_graph(draft: Transformer, catch_tokens: Tensor, n_catch: Tensor
                        uniforms: Tensor, catch_hidden: Tensor | None = None, *, k: int, ctx: int, filtered: bool):
     return draft_chain(draft, catch_tokens, n_catch, draft_len, k_cache, v_cache, k, temperature, top_k, top_p,
                        uniforms, ctx, filtered, catch_hidden=catch_hidden)
+
+
+def _mlp_chain_graph(spec, hidden: Tensor, root: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                     uniforms: Tensor, *, k: int, filtered: bool):
+    from specair.graphs.heads import mlp_speculator_chain  # TODO(lead): top-level once heads land
+
+    return mlp_speculator_chain(spec, hidden, root, k, temperature, top_k, top_p, uniforms, filtered)
 
 
 def _eagle_draft_graph(draft, *inputs: Tensor, draft_fn: Callable[..., tuple], **static):
