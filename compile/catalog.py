@@ -20,6 +20,7 @@ from specair.compile.plan import Plan
 from specair.compile.spec_config import CACHED_DRAFTS
 from specair.graphs.acceptance import accept_greedy, accept_rejection, accept_typical
 from specair.graphs.draft import draft_chain, draft_static_tree, draft_topk_tree
+from specair.graphs.heads import medusa_tree, mlp_speculator_chain
 from specair.graphs.steps import decode_step, prefill_chunk
 from specair.graphs.tree import buffers_from_parents
 from specair.graphs.verify import expanded_verify, leaf_paths, tree_verify
@@ -160,8 +161,6 @@ class Catalog:
         tree = self.plan.tree
         D = tree.depth
         method = self.spec.method
-        if method in ("medusa", "mlp_speculator"):
-            from specair.graphs.heads import medusa_tree  # TODO(lead): top-level once heads land
         if method == "medusa":
             return (medusa_tree, {"draft": self.draft},
                     {"template": tree.template, "buffers": self._on_device(tree.template.buffers())},
@@ -250,8 +249,6 @@ def _draft_chain_graph(draft: Transformer, catch_tokens: Tensor, n_catch: Tensor
 
 def _mlp_chain_graph(spec, hidden: Tensor, root: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
                      uniforms: Tensor, *, k: int, filtered: bool):
-    from specair.graphs.heads import mlp_speculator_chain  # TODO(lead): top-level once heads land
-
     return mlp_speculator_chain(spec, hidden, root, k, temperature, top_k, top_p, uniforms, filtered)
 
 
