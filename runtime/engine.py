@@ -27,8 +27,7 @@ from specair.graphs.kv import commit_kv, commit_path
 from specair.graphs.sampling import sample
 from specair.models.errors import InputError, SpecairError
 from specair.runtime.ngram import NgramIndex
-from specair.runtime.params import GenerationResult, SamplingParams, TextAssembler
-from specair.runtime.reference import Request, StreamEvent
+from specair.runtime.params import GenerationResult, Request, SamplingParams, StreamEvent, TextAssembler
 
 
 class QueueFullError(SpecairError):
@@ -374,8 +373,9 @@ class Engine:
                 if self.method == "eagle":
                     s.pending_hidden = s.pending_hidden[n[i]:]
 
-    def _propose(self, root: Tensor, ctx: int, variant: str, sampling: tuple[Tensor, ...]):
-        """Run the proposer: tree tokens [B, T], draft probs [B, T, V] and (topk trees) parents."""
+    def _propose(self, root: Tensor, ctx: int, variant: str, sampling: tuple[Tensor, ...], need_q: bool):
+        """Run the proposer: tree tokens [B, T], draft probs [B, T, V] (None for an n-gram proposal under
+        greedy acceptance, which never reads them) and (topk trees) parents."""
         cat, D, B, V = self.catalog, self.depth, self.B, self.target.config.vocab_size
         parents = None
         if self.method == "ngram":
@@ -383,8 +383,10 @@ class Engine:
             tokens[:, 0] = root
             for i, prop in enumerate(self._proposals):
                 tokens[i, 1:1 + len(prop)] = torch.tensor(prop, dtype=torch.long)
-            q = F.one_hot(tokens, V).to(self.target.dtype)
-            q[:, 0] = 0
+            q = None
+            if need_q:
+                q = F.one_hot(tokens, V).to(self.target.dtype)
+                q[:, 0] = 0
             return tokens, q, parents
         if self.method in ("medusa", "mlp_speculator"):
             hidden = torch.zeros(B, self.target.config.hidden_size, dtype=self.target.dtype)
@@ -423,14 +425,14 @@ class Engine:
         root = self._row_tensors(lambda s: s.seq[-1], 0)
         ctx = self.plan.context_bucket(max(int(root_pos.max()), 1))  # both models read only committed slots
         variant, sampling = self._sampling()
-        tokens, q, parents = self._propose(root, ctx, variant, sampling)
+        method = cat.acceptance(all(s.req.greedy for s in self.rows))
+        tokens, q, parents = self._propose(root, ctx, variant, sampling, need_q=method == "rejection")
         if parents is not None:
             depth, mask, children, paths = self.graphs(cat.key("tree", B), parents)
         else:
             depth, mask, children, paths = self._tree_buffers()
         verify_in = (tokens, root_pos) if self.spec.scorer == "batch_expansion" else (tokens, depth, mask, root_pos)
         logits, hidden, new_k, new_v = self.graphs(cat.key("verify", B, ctx), *verify_in, *self.caches)
-        method = cat.acceptance(all(s.req.greedy for s in self.rows))
         key = cat.key("accept", B, variant=variant, method=method)
         if method == "greedy":
             _, acc, node_ids = self.graphs(key, tokens, logits, paths)
