@@ -51,7 +51,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, default_hf_dir: Path) -> 
 def url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "specair.runtime.server", "--model", str(tiny_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "specair.runtime.cli", "serve", "--model", str(tiny_dir), "--port", str(port),
            "--speculative-config", json.dumps(SPEC), "--batch-buckets", "1,2,4", "--max-waiting", str(MAX_WAITING),
            "--max-context", str(MAX_CONTEXT), "--dtype", "fp64", "--served-model-name", MODEL, "--threads", "1",
            "--log-level", "warning"]
