@@ -4,6 +4,7 @@ directory or build graphs on demand with a backend; and `specair compile`'s ahea
 from __future__ import annotations
 
 import hashlib
+import json
 import shlex
 import sys
 import time
@@ -17,7 +18,7 @@ from specair.compile.artifacts import GraphSet, compile_artifacts, load_artifact
 from specair.compile.backends import get_backend
 from specair.compile.catalog import Catalog
 from specair.compile.plan import VARIANTS, Plan
-from specair.compile.spec_config import SpeculativeConfig
+from specair.compile.spec_config import HEAD_METHODS, SpeculativeConfig
 from specair.models.checkpoint import load_checkpoint
 from specair.models.errors import InputError
 from specair.models.llama import Transformer, build_model, truncated
@@ -109,7 +110,32 @@ def load_models(path: str | None, dtype: str, spec: SpeculativeConfig | None) ->
 
 
 def parse_spec(spec_json: str | dict | None) -> SpeculativeConfig | None:
-    return None if spec_json is None else SpeculativeConfig.parse(spec_json)
+    """Parse --speculative-config. Heads may omit the lookahead and tree: they come from the heads'
+    directory (`speculative.json`, which the shipped heads carry, else the head count in config.json)."""
+    if spec_json is None:
+        return None
+    raw = spec_json
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise InputError(f"--speculative-config is not valid JSON: {e}") from None
+    if isinstance(raw, dict) and raw.get("method") in HEAD_METHODS and "num_speculative_tokens" not in raw:
+        raw = {**head_defaults(raw["method"], raw.get("model")), **raw}
+    return SpeculativeConfig.parse(raw)
+
+
+def head_defaults(method: str, model: str | None) -> dict[str, Any]:
+    """The lookahead (and tree) a set of heads is meant to run with."""
+    path = Path(model).expanduser() if model else shipped_head(method)
+    folder = path if path.is_dir() else path.parent
+    if (folder / "speculative.json").exists():
+        return json.loads((folder / "speculative.json").read_text())
+    cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+    n = cfg.get("medusa_num_heads") if method == "medusa" else cfg.get("n_predict")
+    if not isinstance(n, int):
+        raise InputError(f"method {method!r}: set 'num_speculative_tokens' (nothing in {folder} says how many)")
+    return {"num_speculative_tokens": n}
 
 
 def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | dict | None = None,
@@ -170,7 +196,6 @@ def engine_from_models(target: Transformer, tokenizer: Any = None, draft: Any = 
 
 def compile_command(model: str | None, plan: Plan, backend: str, out: Path) -> str:
     """The `specair compile` command line that rebuilds artifacts for this plan."""
-    import json
     import dataclasses
 
     parts = ["specair", "compile", "--backend", backend, "--out", str(out), "--max-context", str(plan.max_context),
