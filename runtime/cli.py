@@ -223,9 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="onnx: embed the weights in every file (for Ascend ATC) instead of one shared weights file")
     c.set_defaults(func=cmd_compile)
 
+    from specair.runtime.bench import add_bench_parser
     from specair.runtime.server import add_serve_parser
 
     add_serve_parser(sub)
+    add_bench_parser(sub)
 
     o = sub.add_parser("check-onnx", help="report anything in ONNX files that Ascend ATC would not accept")
     o.add_argument("files", nargs="+")
