@@ -47,8 +47,8 @@ class MedusaHeads(nn.Module):
         if untied and draft_vocab is not None:
             raise ModelFormatError(_UNTIED_VOCAB)
         c = target.config
-        self.num_heads, self.num_layers, self.hidden_size, self.vocab_size = num_heads, num_layers, c.hidden_size, \
-            c.vocab_size
+        self.num_heads, self.num_layers = num_heads, num_layers
+        self.hidden_size, self.vocab_size = c.hidden_size, c.vocab_size
         H = c.hidden_size
         device = torch.device("meta") if empty else target.tok_embeddings.weight.device
         kw = {"device": device, "dtype": target.dtype}
