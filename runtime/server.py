@@ -28,7 +28,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specair.models.errors import InputError, SpecairError
@@ -101,6 +101,14 @@ def _validation_message(err: dict[str, Any]) -> tuple[str, str | None]:
 # Request bodies
 
 
+# The values of unimplemented OpenAI options that ask for nothing (the only ones accepted).
+NO_OP_VALUES: dict[str, list[Any]] = {
+    "presence_penalty": [0], "frequency_penalty": [0], "logit_bias": [None, {}], "logprobs": [None, False],
+    "top_logprobs": [None, 0], "echo": [False], "best_of": [None, 1], "suffix": [None],
+    "response_format": [None, {"type": "text"}],
+}
+
+
 class _Strict(BaseModel):
     # Unknown fields are errors (a typo must not be silently ignored); no string-to-number coercion.
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -125,6 +133,20 @@ class _SamplingRequest(_Strict):
     n: int = 1
     ignore_eos: bool = False
     user: str | None = None
+    # OpenAI options specair does not implement: accepted at their no-op values, which many clients send
+    # explicitly, and refused otherwise (see _only_default).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "echo",
+                     "best_of", "suffix", "response_format", check_fields=False)
+    @classmethod
+    def _only_default(cls, v: Any, info: ValidationInfo) -> Any:
+        if v not in NO_OP_VALUES[info.field_name]:
+            raise ValueError(f"{json.dumps(v)} is not supported: specair does not implement {info.field_name}; "
+                             "omit it")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -152,6 +174,10 @@ class _SamplingRequest(_Strict):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -199,6 +225,9 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------

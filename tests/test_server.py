@@ -229,16 +229,17 @@ def test_streamed_equals_non_streamed(url: str) -> None:
 
 
 def test_concurrent_requests_match_solo_runs_and_use_every_bucket(url: str) -> None:
-    # Lengths 14 tokens apart, so the batch shrinks 4 -> 3 -> 2 -> 1 one finish at a time; five requests, so
-    # one waits for a slot; two sample (seeded) beside three greedy ones, so the batch mixes sampling graphs.
+    # Five requests, so one waits for a slot; requests join one per step (one prefill chunk each) and finish at
+    # different lengths, so the batch passes through 1, 2, then 3-4 rows and back; two sample (seeded) beside
+    # three greedy ones, so the batch mixes sampling graphs.
     requests = [
-        ("/v1/completions", {"prompt": "One two three", "max_tokens": 3, **GREEDY}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 31,
+        ("/v1/completions", {"prompt": "One two three", "max_tokens": 2, **GREEDY}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 18,
                                   "temperature": 0.9, "top_k": 40, "seed": 3, "ignore_eos": True}),
-        ("/v1/completions", {"prompt": [17, 4, 99, 1000, 5], "max_tokens": 17, **GREEDY}),
-        ("/v1/completions", {"prompt": "Once upon a time, in a land far away,", "max_tokens": 45,
+        ("/v1/completions", {"prompt": [17, 4, 99, 1000, 5], "max_tokens": 10, **GREEDY}),
+        ("/v1/completions", {"prompt": "Once upon a time, in a land far away,", "max_tokens": 26,
                              "temperature": 0.7, "top_p": 0.9, "seed": 11, "ignore_eos": True}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 59,
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 34,
                                   **GREEDY}),
     ]
     greedy = [i for i, (_, body) in enumerate(requests) if body["temperature"] == 0]
@@ -298,7 +299,10 @@ BAD_REQUESTS = [
     # (path, body (bytes are sent raw), status, param)
     ("/v1/completions", b'{"prompt": "unterminated', 400, None),
     ("/v1/completions", b'["not", "an", "object"]', 400, None),
+    ("/v1/completions", {"prompt": "hi", "max_tokenz": 5}, 400, "max_tokenz"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {}, 400, "prompt"),
@@ -336,6 +340,14 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(url: str, path: st
     assert complete(url, prompt="still here", max_tokens=2)["usage"]["completion_tokens"] >= 1
 
 
+def test_openai_options_at_their_no_op_values_are_accepted(url: str) -> None:
+    noop = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": None, "user": "me"}
+    assert complete(url, prompt="hi", max_tokens=2, echo=False, best_of=1, **noop)["usage"]["completion_tokens"] == 2
+    reply = chat(url, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], max_tokens=2,
+                 top_logprobs=0, response_format={"type": "text"}, **noop)
+    assert reply["usage"]["completion_tokens"] == 2
+
+
 def test_unknown_path_and_non_json_body(url: str) -> None:
     assert_openai_error(httpx.get(url + "/v1/nothing"), 404)
     err = assert_openai_error(httpx.post(url + "/v1/completions", content=b'{"prompt": "hi"}',
@@ -370,7 +382,11 @@ def test_full_queue_gives_429_and_disconnects_free_their_slots(url: str) -> None
         assert err["code"] == "queue_full"
         err = assert_openai_error(post(url, "/v1/chat/completions", {
             "messages": [{"role": "user", "content": "me too"}], "max_tokens": 2}), 429)
-        for r in running + waiting:
+        # Leave the queue first, so no freed slot admits (and prefills) a queued request before it goes.
+        for r in waiting:
+            r.close()
+        wait_for(url, lambda m: metric(m, "specair:num_requests_waiting") == 0)
+        for r in running:
             r.close()
     finally:
         for c in clients:
@@ -465,12 +481,12 @@ def faulty(tiny_dir: Path) -> Any:
 
 def test_engine_error_fails_its_request_only_and_serving_goes_on(faulty: Any) -> None:
     url, engine = faulty
-    body = {"prompt": "A survivor", "max_tokens": 40, **GREEDY}
+    body = {"prompt": "A survivor", "max_tokens": 48, **GREEDY}
     alone = complete(url, **body)
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(1) as pool:
         survivor = pool.submit(complete, url, **body)
-        time.sleep(0.2)  # the survivor is in flight when the poisoned request arrives
-        r = post(url, "/v1/completions", {"prompt": "poison", "max_tokens": 40, "temperature": 1.0,
+        wait_for(url, lambda m: metric(m, "specair:num_requests_running") == 1)  # in flight before the poison
+        r = post(url, "/v1/completions", {"prompt": "poison", "max_tokens": 24, "temperature": 1.0,
                                           "seed": POISON_SEED})
         err = assert_openai_error(r, 500)
         assert err["code"] == "engine_error" and err["type"] == "server_error"
