@@ -1,0 +1,300 @@
+"""Training recipes (specair.training): the prompt set, self-distillation through the engine, EAGLE / Medusa /
+draft-model training, export through the heads' own loaders, exact resume, and the offline acceptance eval.
+
+Everything runs on a tiny random Llama that carries the default model's real tokenizer and chat template.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import save_tiny
+
+from specair.models.checkpoint import load_checkpoint
+from specair.models.eagle import load_eagle
+from specair.models.errors import InputError
+from specair.models.llama import build_model
+from specair.models.medusa import load_medusa
+from specair.training import prompt_set
+from specair.training.acceptance import AcceptanceCounter, true_token_rank
+from specair.training.data import build_draft_vocab, collate
+from specair.training.distill import select_prompts, target_hidden
+from specair.training.draft import DraftRecipe, DraftSettings
+from specair.training.eagle import EagleRecipe, EagleSettings, unroll_features
+from specair.training.medusa import MedusaRecipe, MedusaSettings
+from specair.training.setup import DataOptions, prepare
+from specair.training.trainer import TrainConfig
+
+NUM_PROMPTS, NEW_TOKENS = 12, 10
+
+
+# ---- the prompt set ----
+
+def test_prompt_set_is_shipped_complete_and_reproducible():
+    records = prompt_set.load_prompts()
+    assert len(records) >= 800
+    assert {r["split"] for r in records} == {"train", "heldout"}
+    assert {r["category"] for r in records} == set(prompt_set.CATEGORIES)
+    held = [r for r in records if r["split"] == "heldout"]
+    assert 0.08 < len(held) / len(records) < 0.12
+    for cat in prompt_set.CATEGORIES:  # every category has training and held-out prompts
+        assert {r["split"] for r in records if r["category"] == cat} == {"train", "heldout"}
+    assert len({r["id"] for r in records}) == len(records)
+    texts = [r["messages"][0]["content"] for r in records]
+    assert len(set(texts)) == len(texts) and all(r["messages"][0]["role"] == "user" for r in records)
+    # The shipped file is exactly what the deterministic builder writes.
+    shipped = [json.loads(line) for line in prompt_set.PROMPTS_FILE.read_text(encoding="utf-8").splitlines()]
+    assert shipped == prompt_set.build_prompt_set()
+
+
+def test_prompt_subsets_keep_a_heldout_share(tmp_path):
+    records = prompt_set.load_prompts()
+    for n in (2, 12, 100):
+        sub = select_prompts(records, n)
+        assert len(sub) == n
+        held = sum(r["split"] == "heldout" for r in sub)
+        assert 1 <= held <= max(1, round(n * 0.12))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": "hi"}\n')
+    with pytest.raises(InputError, match="expected"):
+        prompt_set.load_prompts(bad)
+    with pytest.raises(InputError, match="at least 2"):
+        select_prompts(records, 1)
+
+
+# ---- distillation on a tiny model with the real tokenizer ----
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, default_hf_dir):
+    path = tmp_path_factory.mktemp("tiny-real-tok")
+    save_tiny("llama", path, vocab_size=49152, max_position_embeddings=1024)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (Path(default_hf_dir) / name).is_file():
+            shutil.copy(Path(default_hf_dir) / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dir, tmp_path_factory):
+    """A distilled set of NUM_PROMPTS prompts, made by specair.LLM through the engine."""
+    cache = tmp_path_factory.mktemp("distill-cache")
+    torch.manual_seed(0)
+    return prepare(DataOptions(target=str(tiny_dir), cache_dir=str(cache), max_prompts=NUM_PROMPTS,
+                               max_new_tokens=NEW_TOKENS, gen_batch=8))
+
+
+def test_distillation_caches_greedy_answers_and_hidden_states(setup, tiny_dir):
+    data = setup.data
+    assert len(data.sequences) == NUM_PROMPTS
+    assert data.split("train") and data.split("heldout")
+    tok = setup.tokenizer
+    for s in data.sequences[:3]:
+        assert 0 < s.answer_len <= NEW_TOKENS
+        assert s.hidden.dtype == torch.float16 and s.hidden.shape == (s.tokens.numel(), 64)
+        # The answer is the target's greedy continuation: each answer token is the argmax of the target's
+        # logits at the previous position (the cached hidden states give them through the LM head).
+        full = target_hidden(setup.target, s.tokens)
+        assert torch.allclose(s.hidden.float(), full, atol=2e-3, rtol=1e-2)
+        greedy = setup.target.lm_head(full).argmax(-1)
+        assert torch.equal(greedy[s.prompt_len - 1:-1], s.tokens[s.prompt_len:])
+        assert "<|im_start|>assistant" in tok.decode(s.tokens[:s.prompt_len].tolist(), skip_special_tokens=False)
+    # A second run loads the cache without building an LLM (nothing left to generate).
+    from specair.training.distill import distill
+
+    def no_llm():
+        raise AssertionError("the cache is complete; nothing should be generated")
+
+    again = distill(setup.target, setup.fingerprint, str(tiny_dir), cache=data.cache_dir, max_prompts=NUM_PROMPTS,
+                    max_new_tokens=NEW_TOKENS, make_llm=no_llm)
+    assert [s.id for s in again.sequences] == [s.id for s in data.sequences]
+    with pytest.raises(InputError, match="max_new_tokens"):
+        distill(setup.target, setup.fingerprint, str(tiny_dir), cache=data.cache_dir, max_new_tokens=5,
+                make_llm=no_llm)
+
+
+# ---- training: loss goes down, export loads back identically ----
+
+def _train_loss(recipe, batch_fn, steps, lr):
+    params = list(recipe.params.values())
+    opt = torch.optim.AdamW(params, lr=lr)
+    first = last = None
+    for _ in range(steps):
+        loss, _ = batch_fn()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        first = float(loss.detach()) if first is None else first
+    with torch.no_grad():
+        last = float(batch_fn()[0])
+    return first, last
+
+
+def test_eagle_training_lowers_the_loss_and_exports_through_load_eagle(setup, tmp_path):
+    torch.manual_seed(0)
+    recipe = EagleRecipe(setup, EagleSettings(draft_vocab=2048, unroll=2, noise=0.0, eval_depth=3))
+    batch = collate(setup.train[:4])
+    first, last = _train_loss(recipe, lambda: recipe.losses(batch, 2, 0.0), 15, 3e-3)
+    assert last < 0.8 * first
+    ev = recipe.evaluate()
+    acc = ev["acceptance"]
+    assert acc["chain_starts"] > 0 and len(acc["acceptance_by_position"]) == 3
+    assert acc["tau_chain"] <= acc["tree_w2"]["tau"] <= acc["tree_w8"]["tau"] <= 4.0
+
+    from specair.training.eagle import export_eagle
+
+    export_eagle(recipe.head, tmp_path / "eagle")
+    loaded = load_eagle(tmp_path / "eagle", setup.target)
+    own = dict(recipe.params)
+    got = {f"fc.{n}": p for n, p in loaded.fc.named_parameters()} | \
+        {f"layers.{n}": p for n, p in loaded.layers.named_parameters()}
+    assert own.keys() == got.keys()
+    for name, p in own.items():  # shipped in float16: equal to the trained weights rounded to float16
+        assert torch.equal(got[name], p.detach().half().float()), name
+    assert torch.equal(loaded.draft_vocab, recipe.vocab)
+
+
+def test_eagle_unrolled_features_match_the_drafting_contract(setup):
+    """unroll_features' step-2 chain equals running EagleHead.forward as the draft loop does: true entries
+    0..p in the cache, then (x_{p+2}, f_p) at position p+1."""
+    torch.manual_seed(1)
+    head = EagleRecipe(setup, EagleSettings(draft_vocab=0)).head.eval()
+    s = setup.train[0]
+    tokens, hidden = s.tokens.unsqueeze(0), s.hidden.float().unsqueeze(0)
+    with torch.no_grad():
+        feats = unroll_features(head, tokens, hidden, 2)
+        T = tokens.shape[1]
+        kc, vc = head.empty_cache(1, 0)
+        first = head(tokens[:, 1:], torch.arange(T - 1).view(1, -1), torch.zeros(1, dtype=torch.long), kc, vc,
+                     input_hidden=hidden[:, :-1])
+        assert torch.allclose(first.hidden, feats[0], atol=1e-5)
+        for p in (s.prompt_len, T - 4):
+            k_cache, v_cache = first.new_k[..., : p + 1, :], first.new_v[..., : p + 1, :]
+            out = head(tokens[:, p + 2: p + 3], torch.tensor([[p + 1]]), torch.tensor([p + 1]), k_cache, v_cache,
+                       input_hidden=feats[0][:, p: p + 1])
+            assert torch.allclose(out.hidden[0, 0], feats[1][0, p], atol=1e-5)
+
+
+def test_medusa_training_lowers_the_loss_and_exports_through_load_medusa(setup, tmp_path):
+    torch.manual_seed(0)
+    recipe = MedusaRecipe(setup, MedusaSettings(num_heads=3, draft_vocab=2048))
+    from specair.training.medusa import export_medusa, flatten_positions
+
+    h, t = flatten_positions(setup.train, 3, recipe.to_index)
+    assert h.shape[0] == t.shape[0] > 0 and (t[:, 0] >= 0).any()
+    first, last = _train_loss(recipe, lambda: recipe.losses(h[:256], t[:256]), 15, 3e-2)
+    assert last < 0.9 * first
+    export_medusa(recipe.heads, tmp_path / "medusa")
+    loaded = load_medusa(tmp_path / "medusa", setup.target)
+    assert loaded.tied and loaded.num_heads == 3
+    assert torch.equal(loaded.res_weight, recipe.heads.res_weight.detach().half().float())
+    assert torch.equal(loaded.res_bias, recipe.heads.res_bias.detach().half().float())
+    assert torch.equal(loaded.draft_vocab, recipe.vocab)
+    files = {p.name for p in (tmp_path / "medusa").iterdir()}
+    assert files == {"config.json", "medusa_lm_head.safetensors"}
+
+
+def test_draft_equal_to_the_target_accepts_everything_and_training_lowers_the_kl(setup, tmp_path):
+    # A draft with all of the target's layers is the target: the offline eval must accept every token
+    # (this pins the eval's indexing to the distilled greedy continuation).
+    full = DraftRecipe(setup, DraftSettings(num_layers=2, eval_depth=3))
+    acc = full.evaluate()["acceptance"]
+    assert acc["chain_starts"] > 0
+    assert acc["acceptance_by_position"] == [1.0, 1.0, 1.0] and acc["tau_chain"] == 4.0
+
+    torch.manual_seed(0)
+    recipe = DraftRecipe(setup, DraftSettings(num_layers=1, eval_depth=3))
+    batch = collate(setup.train[:4])
+    first, last = _train_loss(recipe, lambda: recipe.losses(batch), 8, 3e-3)
+    assert last < 0.7 * first
+    from specair.training.draft import save_hf_dir
+
+    save_hf_dir(recipe.draft, setup.tokenizer, tmp_path / "draft")
+    ckpt = load_checkpoint(tmp_path / "draft", progress=False)
+    assert ckpt.config.num_layers == 1 and ckpt.tokenizer is not None
+    reloaded = build_model(ckpt.config, ckpt.state_dict)
+    w = recipe.draft.layers[0].attention.wqkv.weight.detach().half().float()
+    assert torch.equal(reloaded.layers[0].attention.wqkv.weight, w)
+
+
+# ---- resume ----
+
+def test_resume_continues_from_the_saved_step_exactly(setup, tmp_path):
+    """Train 4 steps straight; separately crash after step 2's checkpoint and resume: same weights."""
+    cfg = TrainConfig(max_steps=4, batch_size=4, save_every=2, eval_every=100, lr=2e-3, warmup_steps=1)
+    settings = EagleSettings(draft_vocab=1024, unroll=2, eval_depth=2)
+
+    torch.manual_seed(0)
+    straight = EagleRecipe(setup, settings)
+    straight.fit(cfg, tmp_path / "a", resume=False)
+
+    torch.manual_seed(0)
+    crashing = EagleRecipe(setup, settings)
+    real_step = crashing.train_step
+
+    def crash_at_two(indices, step):
+        if step == 2:
+            raise KeyboardInterrupt
+        return real_step(indices, step)
+
+    crashing.train_step = crash_at_two
+    with pytest.raises(KeyboardInterrupt):
+        crashing.fit(cfg, tmp_path / "b", resume=False)
+    assert [p.name for p in (tmp_path / "b" / "checkpoint").iterdir()] == ["step-000002"]
+
+    torch.manual_seed(123)  # a different fresh init: everything must come from the checkpoint
+    resumed = EagleRecipe(setup, settings)
+    steps = []
+    real = resumed.train_step
+    resumed.train_step = lambda indices, step: steps.append(step) or real(indices, step)
+    resumed.fit(cfg, tmp_path / "b", resume=True)
+    assert steps == [2, 3]
+    for name, p in straight.params.items():
+        assert torch.equal(p, resumed.params[name]), name
+    record = json.loads((tmp_path / "b" / "training.json").read_text())
+    assert record["recipe"] == "eagle" and record["heldout_eval"]["step"] == 4
+    assert not (tmp_path / "b" / "checkpoint").exists()
+
+
+# ---- pieces ----
+
+def test_acceptance_counter_and_ranks():
+    c = AcceptanceCounter(3, widths=(1, 2))
+    c.add(torch.tensor([[0, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 5]]))
+    r = c.result()
+    assert r["acceptance_by_position"] == [0.75, 0.5, 0.25]  # run lengths 3, 1, 0, 2
+    assert r["tau_chain"] == 2.5
+    assert r["conditional_acceptance"] == [0.75, round(0.5 / 0.75, 4), 0.5]
+    assert r["tree_w2"]["acceptance_by_position"] == [1.0, 1.0, 0.75]
+    logits = torch.tensor([[0.1, 0.5, 0.3], [1.0, 0.0, 2.0]])
+    assert true_token_rank(logits, torch.tensor([1, 0])).tolist() == [0, 1]
+    assert true_token_rank(logits, torch.tensor([-1, 2])).tolist() == [3, 0]
+
+
+def test_draft_vocab_is_the_most_frequent_answer_tokens(setup):
+    ids = build_draft_vocab(setup.train, 49152, 16, always=[2])
+    assert ids.numel() == 16 and 2 in ids.tolist() and torch.equal(ids, ids.sort().values)
+    counts = torch.zeros(49152, dtype=torch.long)
+    for s in setup.train:
+        counts += torch.bincount(s.tokens[s.prompt_len:], minlength=49152)
+    chosen = counts[ids[ids != 2]].min()
+    others = counts.clone()
+    others[ids] = -1
+    assert chosen >= others.max()
+
+
+def test_train_cli_parses_and_validates(tmp_path):
+    import argparse
+
+    from specair.training.cli import add_train_parser
+
+    parser = argparse.ArgumentParser(prog="specair")
+    add_train_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["train", "eagle", "--out", str(tmp_path), "--draft-vocab", "4096", "--resume"])
+    assert args.recipe == "eagle" and args.draft_vocab == 4096 and args.resume and args.target is None
+    args = parser.parse_args(["train", "medusa", "--out", str(tmp_path), "--num-heads", "3"])
+    assert args.num_heads == 3 and args.batch_size == 512
+    args = parser.parse_args(["train", "draft", "--out", str(tmp_path), "--num-layers", "4", "--epochs", "0"])
+    with pytest.raises(InputError, match="--epochs"):
+        args.func(args)

@@ -1,0 +1,97 @@
+"""`specair train {eagle,medusa,draft}`: distil the target on the shipped prompt set (cached, resumable),
+train a draft head or draft model on it, and write it where `--speculative-config` can load it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specair.models.errors import InputError
+from specair.training.trainer import TrainConfig
+
+RECIPES = ("eagle", "medusa", "draft")
+# Per-recipe defaults: batch sizes are sequences for eagle/draft and single positions for medusa.
+DEFAULTS = {
+    "eagle": {"epochs": 6.0, "lr": 1e-3, "batch_size": 8, "eval_every": 100, "save_every": 50},
+    "medusa": {"epochs": 3.0, "lr": 1e-3, "batch_size": 512, "eval_every": 200, "save_every": 100},
+    "draft": {"epochs": 1.0, "lr": 1e-4, "batch_size": 4, "eval_every": 100, "save_every": 50},
+}
+
+
+def _common(p: argparse.ArgumentParser, recipe: str) -> None:
+    d = DEFAULTS[recipe]
+    p.add_argument("--target", help="target checkpoint: HF dir, GGUF or llama2.c .bin (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="output directory (the loader's layout plus training.json)")
+    p.add_argument("--epochs", type=float, default=d["epochs"], help="passes over the training split")
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (overrides --epochs)")
+    p.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (AdamW, cosine decay)")
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=d["batch_size"],
+                   help="sequences per step" if recipe != "medusa" else "token positions per step")
+    p.add_argument("--eval-every", type=int, default=d["eval_every"], help="held-out eval every N steps")
+    p.add_argument("--save-every", type=int, default=d["save_every"], help="checkpoint every N steps")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoint")
+    p.add_argument("--keep-checkpoint", action="store_true", help="keep OUT/checkpoint after training")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    g = p.add_argument_group("distillation (cached under $SPECAIR_CACHE/train/<target fingerprint>)")
+    g.add_argument("--prompts", help="prompt set JSONL (default: the shipped specair/training/prompts.jsonl)")
+    g.add_argument("--max-prompts", type=int, help="use the first N prompts of the set (default: all)")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="longest distilled answer")
+    g.add_argument("--cache-dir", help="distillation cache directory")
+    g.add_argument("--gen-batch", type=int, default=16, help="sequences the engine decodes at once while distilling")
+
+
+def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `train {eagle,medusa,draft}` on the `specair` command's subparsers."""
+    from specair.training import draft, eagle, medusa
+
+    train = subparsers.add_parser("train", help="train an EAGLE head, Medusa heads or a draft model for a target")
+    recipes = train.add_subparsers(dest="recipe", required=True, metavar="{eagle,medusa,draft}")
+    helps = {"eagle": "EAGLE-1/2 head (fc + one decoder layer) with training-time test",
+             "medusa": "Medusa-1 heads (ResBlocks, tied to the target's LM head)",
+             "draft": "a draft model: the target's first N layers fine-tuned by KL to the target"}
+    for name, module in (("eagle", eagle), ("medusa", medusa), ("draft", draft)):
+        p = recipes.add_parser(name, help=helps[name], description=helps[name])
+        _common(p, name)
+        module.add_arguments(p)
+        p.set_defaults(func=cmd_train, recipe=name)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    """Run one recipe from parsed arguments."""
+    from specair.training import draft, eagle, medusa
+    from specair.training.setup import DataOptions, prepare
+    from specair.training.trainer import format_eval
+
+    for name in ("epochs", "lr", "batch_size", "eval_every", "save_every", "max_new_tokens", "gen_batch"):
+        if getattr(args, name) <= 0:
+            raise InputError(f"--{name.replace('_', '-')} must be positive")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file, not a directory")
+    cfg = TrainConfig(epochs=args.epochs, lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+                      batch_size=args.batch_size, grad_clip=args.grad_clip, eval_every=args.eval_every,
+                      save_every=args.save_every, max_steps=args.max_steps, seed=args.seed)
+    module = {"eagle": eagle, "medusa": medusa, "draft": draft}[args.recipe]
+    settings = module.settings_from_args(args)  # validate recipe options before the (long) distillation
+    setup = prepare(DataOptions(target=args.target, cache_dir=args.cache_dir, prompts=args.prompts,
+                                max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
+                                gen_batch=args.gen_batch), threads=args.threads)
+    recipe = {"eagle": eagle.EagleRecipe, "medusa": medusa.MedusaRecipe, "draft": draft.DraftRecipe}[args.recipe]
+    final = recipe(setup, settings).fit(cfg, out, resume=args.resume, keep_checkpoint=args.keep_checkpoint)
+    print(f"{args.recipe}: wrote {out} | held-out: {format_eval(final)}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m specair.training.cli train eagle ...` (the same as `specair train ...`)."""
+    parser = argparse.ArgumentParser(prog="specair")
+    add_train_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""EAGLE head training on cached target hidden states.
+
+Entry p of the head holds (token x_{p+1}, target hidden h_p) at position p; its output feature f_p
+regresses h_{p+1}, whose LM-head logits predict x_{p+2}. The loss is EAGLE-1's: smooth-L1 between f_p
+and h_{p+1} plus `ce_weight` x the cross-entropy of the head's logits against the target's distribution
+softmax(LM(h_{p+1})), with uniform noise on the input hidden states (EAGLE-1 §4).
+
+Training-time test (EAGLE-3): with `unroll` > 1 the head is also run on its own features, as it is when
+drafting depth 2, 3, ...: the chain started at p feeds (x_{p+s}, f^{s-1}_p) at position p+s-1, attending
+to the true entries 0..p and to its own earlier entries of that chain (a diagonal mask per step), and is
+scored against h_{p+s}. Deep positions decide tau, and a head trained only on true features drifts there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specair.models.eagle import EagleHead, load_eagle, save_eagle
+from specair.training.acceptance import AcceptanceCounter, chain_starts, true_token_rank
+from specair.training.data import Batch, collate, length_grouped_batches
+from specair.training.setup import TrainingSetup, cast_safetensors, write_training_json
+from specair.training.trainer import TrainConfig, Trainer
+
+
+@dataclass
+class EagleSettings:
+    """What the EAGLE recipe adds to the shared optimisation settings."""
+
+    draft_vocab: int = 8192  # 0: the full vocabulary
+    unroll: int = 3  # steps on the head's own features per chain (1 = EAGLE-1 teacher forcing only)
+    step_decay: float = 0.8  # loss weight of unroll step s is step_decay ** (s - 1)
+    ce_weight: float = 0.1  # EAGLE-1's p_w (feature regression weight v_w = 1)
+    noise: float = 0.1  # half-width of the uniform noise added to the input hidden states
+    eval_depth: int = 6  # draft depth of the offline acceptance eval
+    init: str = "random"  # or "last_layer": start the decoder layer from the target's last layer
+
+
+def _causal(n: int, dtype: torch.dtype) -> Tensor:
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()
+    return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)
+
+
+def _diagonal(n: int, dtype: torch.dtype) -> Tensor:
+    return torch.where(torch.eye(n, dtype=torch.bool), 0.0, torch.finfo(dtype).min).to(dtype)
+
+
+def unroll_features(head: EagleHead, tokens: Tensor, hidden: Tensor, steps: int, noise: float = 0.0) -> list[Tensor]:
+    """The head's features along chains started at every position, for depths 1..steps.
+
+    tokens [B, T], hidden [B, T, H] (the target's). Returns `steps` tensors [B, N, H], N = T - 1: element
+    [:, p] of step s is the head's estimate of h_{p+s} on the chain whose true entries end at p. Step 1
+    is teacher-forced (x_{p+1}, h_p); step s > 1 feeds (x_{p+s}, the step s-1 feature). Tokens past the
+    end of a row are clamped to its last slot: callers mask those chains out.
+    """
+    B, T = tokens.shape
+    N = T - 1
+    layer, dtype = head.layers[0], head.dtype
+    h_in = hidden[:, :-1].to(dtype)
+    if noise > 0:
+        h_in = h_in + (torch.rand_like(h_in) * 2 - 1) * noise
+    p = torch.arange(N, device=tokens.device)
+    max_pos = head.rope_cos.shape[0] - 1
+    c = head.config
+    empty = hidden.new_zeros(B, c.num_kv_heads, 0, c.head_dim, dtype=dtype)
+    causal, diag = _causal(N, dtype), _diagonal(N, dtype)
+    feats: list[Tensor] = []
+    k1 = v1 = prev_k = prev_v = None
+    for s in range(1, steps + 1):
+        tok = tokens[:, (p + s).clamp(max=T - 1)]
+        x = head.fc(torch.cat([head.tok_embeddings(tok).to(dtype), h_in if s == 1 else feats[-1]], dim=-1))
+        pos = (p + s - 1).clamp(max=max_pos)
+        cos, sin = head.rope_cos[pos].view(1, N, 1, -1), head.rope_sin[pos].view(1, N, 1, -1)
+        if s == 1:
+            out, k1, v1 = layer(x, cos, sin, empty, empty, causal.view(1, 1, 1, N, N), None, None)
+        else:
+            # Keys: step 1's true entries (j <= p), then this chain's own entries of steps 2..s.
+            mask = torch.cat([causal] + [diag] * (s - 1), dim=-1).view(1, 1, 1, N, N * s)
+            out, k, v = layer(x, cos, sin, k1, v1, mask, prev_k, prev_v)
+            prev_k = k if prev_k is None else torch.cat([prev_k, k], dim=2)
+            prev_v = v if prev_v is None else torch.cat([prev_v, v], dim=2)
+        feats.append(out)
+    return feats
+
+
+def _full_to_reduced(head: EagleHead) -> Tensor | None:
+    """[V] map from full-vocabulary ids to draft-vocabulary indices (-1 outside it); None without one."""
+    if head.draft_vocab is None:
+        return None
+    m = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
+    m[head.draft_vocab.cpu()] = torch.arange(head.draft_vocab.numel())
+    return m
+
+
+class EagleRecipe:
+    """Trains an EagleHead over a frozen target from a TrainingSetup."""
+
+    def __init__(self, setup: TrainingSetup, settings: EagleSettings) -> None:
+        self.setup, self.s = setup, settings
+        self.vocab = setup.draft_vocab(settings.draft_vocab)
+        self.head = EagleHead(setup.target, draft_vocab=self.vocab)
+        if settings.init == "last_layer":
+            self._init_from_last_layer()
+        elif settings.init != "random":
+            raise ValueError(f"unknown EAGLE init {settings.init!r} (random, last_layer)")
+        self.head.train()
+        self.to_reduced = _full_to_reduced(self.head)
+        self.params = {f"fc.{n}": p for n, p in self.head.fc.named_parameters()}
+        self.params |= {f"layers.{n}": p for n, p in self.head.layers.named_parameters()}
+        for p in self.params.values():
+            p.requires_grad_(True)
+
+    def _init_from_last_layer(self) -> None:
+        last = self.setup.target.layers[-1]
+        own = self.head.layers[0]
+        with torch.no_grad():
+            for name in ("attention.wqkv.weight", "attention.wo.weight", "feed_forward.w13.weight",
+                         "feed_forward.w2.weight", "ffn_norm.weight"):
+                own.get_parameter(name).copy_(last.get_parameter(name))
+
+    def _targets(self, tokens: Tensor) -> Tensor:
+        """Token ids as the head's logit indices (-1 where outside the draft vocabulary)."""
+        return tokens if self.to_reduced is None else self.to_reduced[tokens]
+
+    def losses(self, batch: Batch, steps: int, noise: float) -> tuple[Tensor, dict]:
+        """Weighted loss over unroll steps and per-step metrics (on answer positions only)."""
+        head, s = self.head, self.s
+        feats = unroll_features(head, batch.tokens, batch.hidden, steps, noise)
+        T = batch.tokens.shape[1]
+        N = T - 1
+        p = torch.arange(N)
+        answer = batch.target_mask()  # [B, T]: index t is a real answer token
+        total = batch.hidden.new_zeros(())
+        metrics: dict[str, float] = {}
+        weight_sum = 0.0
+        for step, f in enumerate(feats, 1):
+            nxt = p + step + 1  # the token this step's logits predict
+            valid = answer[:, nxt.clamp(max=T - 1)] & (nxt <= T - 1)
+            if not valid.any():
+                continue
+            h_t = batch.hidden[:, (p + step).clamp(max=T - 1)][valid]  # [n, H]
+            f_v = f[valid]
+            vloss = F.smooth_l1_loss(f_v, h_t, reduction="none").mean(-1)
+            logp = head.logits(f_v, reduced=True).float().log_softmax(-1)
+            with torch.no_grad():
+                target_p = head.logits(h_t, reduced=True).float().softmax(-1)
+            ploss = -(target_p * logp).sum(-1)
+            w = s.step_decay ** (step - 1)
+            total = total + w * (vloss.mean() + s.ce_weight * ploss.mean())
+            weight_sum += w
+            metrics[f"v{step}"] = float(vloss.detach().mean())
+            metrics[f"acc{step}"] = float((logp.detach().argmax(-1) == target_p.argmax(-1)).float().mean())
+        return total / max(weight_sum, 1e-9), metrics
+
+    def train_step(self, indices: list[int], step: int) -> dict:
+        batch = collate([self._train[i] for i in indices])
+        loss, metrics = self.losses(batch, self.s.unroll, self.s.noise)
+        return {"loss": loss, **{k: v for k, v in metrics.items() if k in ("acc1", f"acc{self.s.unroll}")}}
+
+    @torch.no_grad()
+    def evaluate(self, batch_size: int = 8) -> dict:
+        """Held-out loss (teacher-forced step) and offline greedy acceptance to `eval_depth`."""
+        head, depth = self.head, self.s.eval_depth
+        head.eval()
+        counter = AcceptanceCounter(depth)
+        losses = []
+        seqs = self.setup.heldout
+        for b in range(0, len(seqs), batch_size):
+            batch = collate(seqs[b:b + batch_size])
+            loss, _ = self.losses(batch, 1, 0.0)
+            losses.append(float(loss))
+            feats = unroll_features(head, batch.tokens, batch.hidden, depth)
+            T = batch.tokens.shape[1]
+            N = T - 1
+            p = torch.arange(N)
+            ranks = []
+            for d, f in enumerate(feats, 1):
+                true_tok = self._targets(batch.tokens[:, (p + d + 1).clamp(max=T - 1)])
+                ranks.append(true_token_rank(head.logits(f, reduced=True), true_tok))
+            starts = chain_starts(batch.lengths, batch.prompt_lens, N, depth, offset=2)
+            counter.add(torch.stack(ranks, -1)[starts])
+        head.train()
+        return {"heldout_loss": round(sum(losses) / max(len(losses), 1), 5), "acceptance": counter.result()}
+
+    def fit(self, cfg: TrainConfig, out: Path, resume: bool, keep_checkpoint: bool = False) -> dict:
+        """Train, then write the head (fp16, SafeAILab layout) and training.json to `out`."""
+        self._train = self.setup.train
+        lengths = [int(x.tokens.numel()) for x in self._train]
+        steps_per_epoch = -(-len(self._train) // cfg.batch_size)
+        trainer = Trainer(self.params, cfg, out / "checkpoint", steps_per_epoch, desc="eagle")
+        if resume and trainer.load_latest():
+            print(f"eagle: resumed from step {trainer.step} of {trainer.total_steps}", flush=True)
+        t0 = time.perf_counter()
+        final = trainer.fit(lambda epoch: length_grouped_batches(lengths, cfg.batch_size, cfg.seed * 7919 + epoch),
+                            self.train_step, self.evaluate)
+        export_eagle(self.head, out)
+        write_training_json(out, "eagle", self.setup, {**asdict(cfg), **asdict(self.s)}, final, trainer.history,
+                            self.setup.vocab_report(self.vocab),
+                            {"train_time_s": round(time.perf_counter() - t0, 1),
+                             "load_with": "specair.models.eagle.load_eagle(DIR, target)"})
+        if not keep_checkpoint:
+            shutil.rmtree(out / "checkpoint", ignore_errors=True)
+        return final
+
+
+def export_eagle(head: EagleHead, out: Path, dtype: torch.dtype = torch.float16) -> None:
+    """save_eagle's layout with the weights cast to `dtype` (shipped heads are float16)."""
+    save_eagle(head, out)
+    cast_safetensors(out / "model.safetensors", dtype)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = EagleSettings()
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                   help="draft vocabulary: the N most frequent answer tokens (0 = full vocabulary)")
+    p.add_argument("--unroll", type=int, default=d.unroll,
+                   help="training-time-test steps on the head's own features (1 = EAGLE-1 only)")
+    p.add_argument("--step-decay", type=float, default=d.step_decay, help="loss weight decay per unroll step")
+    p.add_argument("--ce-weight", type=float, default=d.ce_weight, help="weight of the cross-entropy term")
+    p.add_argument("--noise", type=float, default=d.noise, help="uniform noise half-width on input hidden states")
+    p.add_argument("--eval-depth", type=int, default=d.eval_depth, help="draft depth of the held-out eval")
+    p.add_argument("--init", choices=("random", "last_layer"), default=d.init,
+                   help="initial decoder layer: random, or a copy of the target's last layer")
+
+
+def settings_from_args(args: argparse.Namespace) -> EagleSettings:
+    return EagleSettings(draft_vocab=args.draft_vocab, unroll=args.unroll, step_decay=args.step_decay,
+                         ce_weight=args.ce_weight, noise=args.noise, eval_depth=args.eval_depth, init=args.init)
+
+
+__all__ = ["EagleRecipe", "EagleSettings", "export_eagle", "load_eagle", "unroll_features"]
