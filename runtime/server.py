@@ -594,6 +594,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
               max_waiting=args.max_waiting, **extra)
     app = build_app(llm.engine, served_model_name=args.served_model_name, batch_buckets=args.batch_buckets,
                     model_root=args.model)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("binding %s: the server has no authentication, so anyone who can reach this address can "
+                       "use it", args.host)
     logger.info("serving %s on http://%s:%d (%d sequence slots, up to %d waiting)",
                 app.state.server.model_name, args.host, args.port, llm.engine.num_slots, args.max_waiting)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
