@@ -57,35 +57,54 @@ def test_every_proposer_through_onnx_equals_autoregressive(tiny, name):
     assert any(k.startswith("verify") for k in engine.graphs.fns)  # it did speculate, through compiled graphs
 
 
+CHAT = [{"role": "user", "content": "Explain what a hash table is, briefly."}]
+
+
+@pytest.fixture(scope="module")
+def default_ar(default_hf_dir):
+    """The default model (fp32), its tokenizer and its autoregressive greedy reply to CHAT."""
+    models = load_models(None, "fp32", None)
+    llm = LLM.from_engine(engine_from_models(models.target, models.tokenizer, max_context=512))
+    return models, llm.chat(CHAT, SamplingParams(max_tokens=40))[0]
+
+
 @pytest.mark.parametrize("spec", [
     {"method": "eagle"},  # the shipped head and its shipped tree
     {"method": "medusa"},
     {"method": "ngram", "num_speculative_tokens": 4},
     {"method": "layer_skip", "num_layers": 24, "num_speculative_tokens": 3},
 ], ids=lambda s: s["method"])
-def test_default_model_proposers_are_lossless(default_hf_dir, spec):
+def test_default_model_proposers_are_lossless(default_ar, spec):
     """fp32 on the real model: greedy output equals autoregressive decoding token for token (a divergence
-    is allowed only at a near-tie of the target's top-2 logits, where batched and unbatched arithmetic may
+    is allowed only at a near-tie of the target's top-2 logits, where differently shaped passes may
     round differently)."""
+    (models, ar) = default_ar
     parsed = parse_spec(spec)
-    models = load_models(None, "fp32", parsed)
-    tok = models.target, models.tokenizer
-    llm_ar = LLM.from_engine(engine_from_models(models.target, models.tokenizer, max_context=512))
-    llm = LLM.from_engine(engine_from_models(models.target, models.tokenizer, models.draft, parsed, max_context=512))
-    chats = [[{"role": "user", "content": c}] for c in
-             ("Write a short poem about autumn leaves.", "Explain what a hash table is, briefly.")]
-    params = SamplingParams(max_tokens=48)
-    for conv in chats:
-        a, b = llm_ar.chat(conv, params)[0], llm.chat(conv, params)[0]
-        if a.token_ids != b.token_ids:
-            i = next(j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
-            ids = llm.encode_chat(conv) + a.token_ids[:i]
-            with torch.inference_mode():
-                logits = tok[0](torch.tensor([ids]), torch.arange(len(ids))[None], torch.zeros(1, dtype=torch.long),
-                                *tok[0].empty_cache(1, 1)).logits[0, -1]
-            top2 = logits.topk(2).values
-            assert float(top2[0] - top2[1]) < 1e-3, f"diverged at token {i} without a near-tie"
-        assert b.extra["spec"]["num_drafts"] > 0
+    target = models.target
+    draft = truncated(target, parsed.num_layers) if parsed.method == "layer_skip" else (
+        None if parsed.method == "ngram" else load_models_draft(parsed, target))
+    llm = LLM.from_engine(engine_from_models(target, models.tokenizer, draft, parsed, max_context=512))
+    res = llm.chat(CHAT, SamplingParams(max_tokens=40))[0]
+    if res.token_ids != ar.token_ids:
+        i = next(j for j, (x, y) in enumerate(zip(ar.token_ids, res.token_ids)) if x != y)
+        ids = llm.encode_chat(CHAT) + ar.token_ids[:i]
+        with torch.inference_mode():
+            logits = target(torch.tensor([ids]), torch.arange(len(ids))[None], torch.zeros(1, dtype=torch.long),
+                            *target.empty_cache(1, 1)).logits[0, -1]
+        top2 = logits.topk(2).values
+        assert float(top2[0] - top2[1]) < 1e-3, f"diverged at token {i} without a near-tie"
+    assert res.extra["spec"]["num_drafts"] > 0
+
+
+def load_models_draft(spec, target):
+    """The shipped heads for the default model, loaded onto the already loaded target."""
+    from specair.runtime.build import shipped_head
+
+    if spec.method == "eagle":
+        from specair.models.eagle import load_eagle as load
+    else:
+        from specair.models.medusa import load_medusa as load
+    return load(shipped_head(spec.method), target)
 
 
 def brute_force(tokens, k, lo, hi):
