@@ -37,16 +37,10 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = PACKAGE_ROOT / "benchmarks" / "prompts.jsonl"
 AUTOREGRESSIVE = "autoregressive"
 
-# Used when neither --configs nor --spec is given: proposers that need no trained weights, plus the heads
-# shipped for the default model when they are there.
-DEFAULT_SPECS: list[dict[str, Any]] = [
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
-    {"method": "layer_skip", "num_layers": 20, "num_speculative_tokens": 3},
-]
-SHIPPED_HEADS = {
-    "eagle": {"method": "eagle", "num_speculative_tokens": 4},
-    "medusa": {"method": "medusa", "num_speculative_tokens": 3, "tree": "kary:3x2"},
-}
+# Used when neither --configs nor --spec is given: prompt lookup (needs no trained weights), and for the
+# default model its shipped EAGLE and Medusa heads, each with the lookahead and tree the heads carry.
+DEFAULT_SPECS: list[dict[str, Any]] = [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}]
+SHIPPED_HEAD_METHODS = ("eagle", "medusa")
 
 
 # ---------------------------------------------------------------- prompts
@@ -133,7 +127,8 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
     one of `backends`; speculative ones without "acceptance" run with each of `acceptances` (when given).
     Every (backend, dtype) gets an autoregressive baseline unless an entry already is one.
     """
-    from specair.compile.spec_config import SpeculativeConfig
+    from specair.compile.spec_config import HEAD_METHODS, SpeculativeConfig
+    from specair.runtime.build import head_defaults
 
     out: list[BenchConfig] = []
     for entry in entries:
@@ -147,6 +142,8 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
         spec = entry.get("speculative_config")
         if isinstance(spec, str):
             spec = json.loads(spec)
+        if isinstance(spec, dict) and spec.get("method") in HEAD_METHODS and "num_speculative_tokens" not in spec:
+            spec = {**head_defaults(spec["method"], spec.get("model")), **spec}  # what the heads were trained for
         if spec is not None:
             SpeculativeConfig.parse(spec)  # refuse a bad config before loading anything
         specs = ([{**spec, "acceptance": a} for a in acceptances]
@@ -170,14 +167,18 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
 
 
 def default_config_entries(model: str | None) -> list[Any]:
-    """Autoregressive, the proposers that need no trained weights, and (for the default model) the trained
-    EAGLE and Medusa heads shipped under models/heads/ when present."""
+    """Autoregressive, prompt lookup, and (for the default model) the trained EAGLE and Medusa heads
+    shipped under models/heads/ when they are there."""
+    from specair.runtime.build import shipped_head
+
     entries: list[Any] = [None, *DEFAULT_SPECS]
     if model is None:
-        heads = PACKAGE_ROOT / "models" / "heads"
-        for method, spec in SHIPPED_HEADS.items():
-            for d in sorted(heads.glob(f"*{method}*")) if heads.is_dir() else []:
-                entries.append({**spec, "model": str(d)})
+        for method in SHIPPED_HEAD_METHODS:
+            try:
+                shipped_head(method)
+            except InputError:
+                continue
+            entries.append({"method": method})
     return entries
 
 
@@ -425,14 +426,15 @@ def profile_config(runner: SpecairRunner, prompt: Sequence[int], params: Samplin
     matmul = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm", "aten::bmm",
                                                                      "aten::matmul", "aten::linear"))
     graph_s = sum(timed.seconds.values())
-    decode_kinds = {k: v for k, v in timed.seconds.items() if not k.startswith("prefill")}
     return {
         "request_s": wall, "ttft_s": sample.ttft_s, "generated_tokens": sample.num_tokens, "steps": steps,
-        "ms_per_step_by_graph": {k: 1e3 * v / steps for k, v in decode_kinds.items()},
-        "calls_by_graph": timed.calls,
-        "prefill_ms": 1e3 * sum(v for k, v in timed.seconds.items() if k.startswith("prefill")),
-        "host_ms_per_step": 1e3 * max(wall - graph_s, 0.0) / steps,
         "ms_per_step": 1e3 * (sample.total_s - sample.ttft_s) / steps,
+        # Per graph kind: how often it ran, what one call costs, and its share of a step (prefill: of the TTFT).
+        "graphs": {k: {"calls": timed.calls[k], "ms_per_call": 1e3 * v / timed.calls[k],
+                       "ms_per_step": None if k.startswith("prefill") else 1e3 * v / steps}
+                   for k, v in timed.seconds.items()},
+        "host_ms_per_step": 1e3 * max(wall - graph_s, 0.0) / steps,  # everything outside the graphs
+        # torch.profiler over a second, identical request (prefill included): operators by self CPU time.
         "matmul_share_of_op_time": matmul / total_self,
         "ops_per_step": sum(e.count for e in events) / steps,
         "top_ops": [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps, "calls": e.count}
@@ -527,6 +529,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
 
     if opts.threads:
         torch.set_num_threads(opts.threads)
+    # Every engine gets the same thread count, explicitly (llama-cpp-python's default is half the cores).
+    threads = opts.threads or torch.get_num_threads()
     params = SamplingParams(max_tokens=opts.max_tokens, temperature=opts.temperature, top_p=opts.top_p,
                             top_k=opts.top_k, seed=opts.seed, ignore_eos=opts.ignore_eos)
     greedy = opts.temperature == 0
@@ -548,7 +552,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     baseline_of = {c.baseline_key: c.label for c in configs if c.speculative_config is None and not c.artifacts}
     for c in configs:
         spec = {"kind": "specair", "model": opts.model, "config": asdict(c), "max_context": opts.max_context,
-                "batch_buckets": buckets, "threads": opts.threads}
+                "batch_buckets": buckets, "threads": threads}
         _log(f"bench: building {c.label}")
         runners[c.label] = make_runner(spec)
         base = c.label if c.speculative_config is None else baseline_of[c.baseline_key]
@@ -562,7 +566,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         for p in peers:
             spec = {"kind": "peer", "peer": p, "hf_dir": hf_dir, "gguf": gguf, "assistant": opts.assistant,
                     "max_context": opts.max_context, "prompt_lookup_tokens": opts.prompt_lookup_tokens,
-                    "prompt_lookup_max_ngram": opts.prompt_lookup_max_ngram, "threads": opts.threads,
+                    "prompt_lookup_max_ngram": opts.prompt_lookup_max_ngram, "threads": threads,
                     "seed": opts.seed}
             name = peer_label(p, spec)
             base = peer_label(peer_baseline(p), spec)
@@ -651,14 +655,14 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     if opts.memory:
         memory_method = ("peak resident set size (VmHWM on Linux) of a fresh process that loads that "
                          "configuration alone and generates 16 tokens for the longest prompt")
-        bare = probe_peak_rss(None, prompts[longest], params, opts.threads)
+        bare = probe_peak_rss(None, prompts[longest], params, threads)
         if bare:
             notes.append(f"a bare process that only imports torch and specair's runtime peaks at "
                          f"{bare / 2**20:.0f} MB RSS; every configuration's peak RSS includes that")
         probe_params = SamplingParams(max_tokens=min(opts.max_tokens, 16), temperature=opts.temperature,
                                       ignore_eos=True)
         for e in tqdm(entries, desc="memory", file=sys.stderr, disable=not opts.progress):
-            e.peak_rss_bytes = probe_peak_rss(e.runner, prompts[longest], probe_params, opts.threads)
+            e.peak_rss_bytes = probe_peak_rss(e.runner, prompts[longest], probe_params, threads)
 
     summary = summarize(entries, reference, greedy)
     ref_decode = summary[reference]["decode_tokens_per_s"]

@@ -276,10 +276,27 @@ def markdown_report(report: dict[str, Any]) -> str:
               "TTFT = time to first token; TPOT = time per output token after the first; peak RSS = "
               f"{report['memory_method']}; greedy agreement = tokens before the first divergence from "
               "specair's autoregressive output / the longer output, pooled."), ""]
+    for name, prof in (report.get("profiles") or {}).items():
+        lines += [profile_markdown(name, prof), ""]
     if report.get("notes"):
         lines += ["Notes:", ""] + [f"- {n}" for n in report["notes"]] + [""]
     if report.get("plots"):
         lines += ["Plots: " + ", ".join(f"`{p}`" for p in report["plots"]), ""]
+    return "\n".join(lines)
+
+
+def profile_markdown(name: str, prof: dict[str, Any]) -> str:
+    """Where one request's time went, per graph kind and per operator."""
+    lines = [f"Profile of `{name}` (one request of {prof['generated_tokens']} tokens, {prof['steps']} target "
+             f"passes after the first token, {prof['ms_per_step']:.1f} ms per pass; host-side work outside the "
+             f"graphs {prof['host_ms_per_step']:.1f} ms per pass):", "",
+             "| graph | calls | ms per call | ms per pass |", "|---|---|---|---|"]
+    for kind, g in prof["graphs"].items():
+        lines.append(f"| {kind} | {g['calls']} | {g['ms_per_call']:.1f} | {_fmt(g['ms_per_step'], '.1f')} |")
+    ops = ", ".join(f"{o['op']} {o['self_ms_per_step']:.1f}" for o in prof["top_ops"][:6])
+    lines += ["", f"Operators (torch.profiler, self CPU ms per pass, prefill included): {ops}; matrix "
+              f"multiplies are {100 * prof['matmul_share_of_op_time']:.0f}% of operator time, "
+              f"{prof['ops_per_step']:.0f} operator calls per pass."]
     return "\n".join(lines)
 
 
@@ -289,6 +306,7 @@ def plot_all(summary: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     written = []
     colors = {"specair": "tab:blue", "transformers": "tab:orange", "llama.cpp": "tab:green"}
@@ -298,19 +316,18 @@ def plot_all(summary: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
     for y, n in zip(ys, names):
         m = summary[n]
         c = colors.get(m["engine"], "tab:gray")
-        ax1.barh(y, m["speedup_vs_reference"] or 0, color=c, alpha=0.75)
+        ax1.barh(y, m["speedup"] or 0, color=c, alpha=0.75)
         ax2.barh(y, m["tokens_per_s"], color=c, alpha=0.75)
         pts = [] if m["baseline"] == n else m["speedup_per_prompt"]  # a baseline's own dots are all 1
         ax1.scatter(pts, [y] * len(pts), s=6, color="black", alpha=0.5, zorder=3)
     ax1.axvline(1.0, color="black", lw=0.8)
     ax1.set_yticks(list(ys), names, fontsize=8)
     ax1.invert_yaxis()
-    ax1.set_xlabel("speedup over specair autoregressive (bars); dots: per prompt over own baseline")
+    ax1.set_xlabel("speedup over own autoregressive: per prompt (dots), mean (bar)")
     ax2.set_xlabel("tokens/s (end to end, pooled)")
-    for eng, c in colors.items():
-        if any(m["engine"] == eng for m in summary.values()):
-            ax2.barh([], [], color=c, alpha=0.75, label=eng)
-    ax2.legend(loc="lower right", fontsize=8)
+    handles = [Patch(color=c, alpha=0.75, label=eng) for eng, c in colors.items()
+               if any(m["engine"] == eng for m in summary.values())]
+    ax2.legend(handles=handles, loc="lower right", fontsize=8)
     fig.tight_layout()
     p = out_dir / "speedup.png"
     fig.savefig(p, dpi=110)

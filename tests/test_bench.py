@@ -143,7 +143,7 @@ def test_end_to_end_on_a_tiny_model(tiny_with_tokenizer, tmp_path):
     args = parser.parse_args(["bench", "--model", str(tiny_with_tokenizer), "--prompts", str(prompts),
                               "--configs", str(configs), "--peers", "hf", "--max-tokens", "6", "--ignore-eos",
                               "--batch-sizes", "1,2", "--warmup-tokens", "2", "--out", str(out), "--no-progress",
-                              "--no-memory"])
+                              "--no-memory", "--profile"])
     args.func(args)
 
     report = json.loads((out / "results.json").read_text())
@@ -165,7 +165,14 @@ def test_end_to_end_on_a_tiny_model(tiny_with_tokenizer, tmp_path):
     env = report["environment"]
     assert env["versions"]["torch"] and env["cpu"] and env["torch_threads"] >= 1
     assert report["bandwidth_floor"]["floor_tokens_per_s"] > 0
+    # --profile: the reference and the best speculative configuration, split by graph kind.
+    prof = report["profiles"]
+    assert set(prof) == {"autoregressive", "layer_skip k=2 num_layers=1"}
+    assert {"prefill.target", "decode"} <= set(prof["autoregressive"]["graphs"])
+    assert {"draft", "verify", "accept"} <= set(prof["layer_skip k=2 num_layers=1"]["graphs"])
+    assert prof["autoregressive"]["top_ops"] and 0 < prof["autoregressive"]["matmul_share_of_op_time"] <= 1
     md = (out / "results.md").read_text()
+    assert "Profile of `layer_skip k=2 num_layers=1`" in md
     assert "| layer_skip k=2 num_layers=1 | specair |" in md and "Bandwidth floor" in md
     for png in ("speedup.png", "acceptance.png", "batch.png"):
         assert (out / png).read_bytes()[:8] == PNG_MAGIC
