@@ -233,7 +233,7 @@ class SpecairRunner:
 def peer_label(peer: str, spec: dict[str, Any]) -> str:
     """An entry name for a peer."""
     n = spec.get("prompt_lookup_tokens")
-    return {"hf": "transformers greedy", "hf-prompt-lookup": f"transformers prompt lookup n={n}",
+    return {"hf": "transformers", "hf-prompt-lookup": f"transformers prompt lookup n={n}",
             "hf-assisted": f"transformers assisted ({Path(spec.get('assistant') or '').name})",
             "llama.cpp": "llama.cpp", "llama.cpp-prompt-lookup": f"llama.cpp prompt lookup n={n}"}[peer]
 
@@ -715,7 +715,8 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--model", help="HF checkpoint dir, GGUF file or llama2.c .bin (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), metavar="FILE.jsonl",
                    help='one {"messages": [...]} or {"prompt": ...} per line (default: the shipped prompt set)')
-    p.add_argument("--num-prompts", type=int, help="use only the first N prompts")
+    p.add_argument("--num-prompts", type=int, help="use only the first N prompts (the shipped set cycles through "
+                   "its six categories, so multiples of 6 keep them balanced)")
     p.add_argument("--configs", metavar="FILE.json", help="a JSON list of configurations: null (autoregressive), a "
                    'speculative config, or {"speculative_config", "backend", "dtype", "artifacts", "name"}')
     p.add_argument("--spec", action="append", default=[], metavar="JSON",

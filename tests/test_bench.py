@@ -148,8 +148,8 @@ def test_end_to_end_on_a_tiny_model(tiny_with_tokenizer, tmp_path):
 
     report = json.loads((out / "results.json").read_text())
     s = report["summary"]
-    assert list(s) == ["autoregressive", "layer_skip k=2 num_layers=1", "transformers greedy"]
-    assert s["transformers greedy"]["baseline"] == "transformers greedy"
+    assert list(s) == ["autoregressive", "layer_skip k=2 num_layers=1", "transformers"]
+    assert s["transformers"]["baseline"] == "transformers"
     for name, m in s.items():
         assert m["requests"] == 2 and m["generated_tokens"] == 12, name
         assert m["tokens_per_s"] > 0 and m["ttft_ms"] > 0 and m["tpot_ms"] > 0
