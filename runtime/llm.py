@@ -9,8 +9,7 @@ from tqdm import tqdm
 from specair.models.errors import InputError
 from specair.runtime.build import open_engine
 from specair.runtime.engine import Engine
-from specair.runtime.params import GenerationResult, SamplingParams
-from specair.runtime.reference import StreamEvent
+from specair.runtime.params import GenerationResult, SamplingParams, StreamEvent
 
 Prompt = str | Sequence[int]
 

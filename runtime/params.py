@@ -1,4 +1,5 @@
-"""Per-request sampling parameters, results, and the text side of a request (detokenize + stop strings)."""
+"""Per-request sampling parameters, sampling state, results, stream events, and the text side of a request
+(detokenize + stop strings)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+import torch
+from torch import Tensor
+
+from specair.compile.catalog import uniform_dtype
+from specair.graphs.sampling import sampling_variant
 from specair.models.errors import InputError
 from specair.runtime.detokenize import IncrementalDetokenizer
 
@@ -56,6 +62,43 @@ class GenerationResult:
         d = asdict(self)
         d.update(d.pop("extra"))
         return d
+
+
+@dataclass
+class StreamEvent:
+    """A streamed piece of a request: new text and tokens; `result` is set on the last event."""
+
+    text: str
+    token_ids: list[int]
+    result: GenerationResult | None = None
+    request_id: str = ""
+    draft: tuple[int, int] | None = None  # (proposed, accepted) draft tokens when these came from one speculative step
+
+
+class Request:
+    """Per-request sampling state the engine reads: sampling tensors and the seeded uniform source."""
+
+    def __init__(self, params: SamplingParams, dtype: torch.dtype) -> None:
+        self.params = params
+        self.gen = torch.Generator()
+        if params.seed is None:
+            self.gen.seed()
+        else:
+            self.gen.manual_seed(params.seed)
+        self.temperature = torch.tensor([float(params.temperature)], dtype=dtype)
+        self.top_k = torch.tensor([params.top_k])
+        self.top_p = torch.tensor([float(params.top_p)], dtype=dtype)
+        self.uniform_dtype = uniform_dtype(dtype)
+        self.variant = sampling_variant([params.temperature], [params.top_k], [params.top_p])
+        self.filtered = self.variant == "filtered"
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0
+
+    def uniforms(self, *shape: int) -> Tensor:
+        """Uniform draws [1, *shape] from this request's own generator (seeded requests reproduce)."""
+        return torch.rand(1, *shape, generator=self.gen, dtype=self.uniform_dtype)
 
 
 class TextAssembler:
