@@ -43,6 +43,16 @@ def versions(backend: Backend) -> dict[str, str]:
     return {"specair": __version__, "python": platform.python_version(), **backend.versions()}
 
 
+def quantization(backend: Backend) -> dict[str, Any] | None:
+    """The backend's weight quantization as the manifest records it (None: float weights)."""
+    q = getattr(backend, "quantization", None)
+    return q.to_json() if q is not None else None
+
+
+def _quantization_name(q: Any) -> str:
+    return "none" if q is None else str(q.get("method", q)) if isinstance(q, dict) else str(q)
+
+
 class GraphSet:
     """Compiled graphs by key. Without artifacts (`lazy`), a missing graph is compiled on first use with
     a visible note; from an artifact directory, a key outside the plan is an error, never a compile."""
@@ -95,7 +105,8 @@ def compile_artifacts(catalog: Catalog, backend: Backend, out_dir: Path, fingerp
     backend.end(out_dir)
     manifest = {
         "format": FORMAT, "backend": backend.name, "device": backend.device, "versions": versions(backend),
-        "fingerprints": fingerprints, "plan": catalog.plan.to_json(), "graphs": keys, "compile_seconds": times,
+        "quantization": quantization(backend), "fingerprints": fingerprints, "plan": catalog.plan.to_json(),
+        "graphs": keys, "compile_seconds": times,
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return graphs
@@ -126,6 +137,11 @@ def load_artifacts(catalog: Catalog, backend: Backend, art_dir: Path, manifest: 
     problems = []
     if manifest["backend"] != backend.name:
         problems.append(f"they were compiled for backend {manifest['backend']!r}, not {backend.name!r}")
+    built_q, have_q = manifest.get("quantization"), quantization(backend)
+    if built_q != have_q:
+        built, have = _quantization_name(built_q), _quantization_name(have_q)
+        problems.append(f"they were compiled with quantization {built!r}, not {have!r}"
+                        + (f" (scheme {built_q} vs {have_q})" if built == have else ""))
     for name, value in fingerprints.items():
         if manifest["fingerprints"].get(name) != value:
             problems.append(f"the {name} differs (artifacts: {str(manifest['fingerprints'].get(name))[:16]}…, "

@@ -28,9 +28,19 @@ weights with `SessionOptions.add_initializer(name, OrtValue)`, built zero-copy o
 parameters of `graph.module` (`OrtValue.ortvalue_from_numpy(tensor.numpy())`, tensors kept alive by the
 callable): all sessions of the process share the model's single copy, and onnx_weights.bin is not read
 for them (SmolLM2-135M, 517 MB of weights: four sessions add ~120 MB in all). Tensors the module lacks
-(or a module on the meta device) are read from onnx_weights.bin by ORT. ORT's GEMM pre-packing would give
-every session its own packed copy of every weight (measured: four sessions +2.4 GB), so it is off;
+(quantized weights, lifted constants, or all of them for a module on the meta device) are read from
+onnx_weights.bin once per backend and handed to every session the same way. ORT's GEMM pre-packing would
+give every session its own packed copy of every weight (measured: four sessions +2.4 GB), so it is off;
 `OnnxBackend(prepack=True)` buys faster GEMMs with that memory.
+
+Weight-only quantization (`OnnxBackend(quantize="int4" | "int8")`, see compile/quantize.py): every linear
+layer, the LM head included, becomes com.microsoft MatMulNBits (blocks of 32; int4 asymmetric like GGUF
+Q4_1, int8 symmetric like Q8_0) while embeddings keep the float table. Each distinct weight is quantized
+once per backend; the packed weights, scales and zero points are stored once in onnx_weights.bin (draft
+graphs that name the target's tensors share them by content) and every session gets the same in-memory
+copy. MatMulNBits is only fast pre-packed, so quantized sessions pre-pack, and each keeps its own packed
+copy of what it reads (onnxruntime's Python API cannot share pre-packed weights between sessions). The
+manifest records the scheme; artifacts of another scheme are refused.
 
 Running: IO binding on torch memory. Each input is bound by pointer (`io_binding.bind_input(name, "cpu",
 0, dtype, shape, tensor.data_ptr())`), so the KV caches, the biggest inputs, are never copied; a binding
@@ -62,7 +72,8 @@ from torch import Tensor
 
 from specair.compile.backends.base import Backend, BackendUnavailable, CompiledGraph
 from specair.compile.graph_def import GraphDef
-from specair.models.errors import SpecairError
+from specair.compile.quantize import WeightQuantizer, parse_quantize
+from specair.models.errors import InputError, SpecairError
 
 OPSET = 13
 WEIGHTS_FILE = "onnx_weights.bin"
@@ -558,12 +569,20 @@ class OnnxBackend(Backend):
     device = "cpu"
 
     def __init__(self, threads: int | None = None, *, self_contained: bool = False, opset: int = OPSET,
-                 prepack: bool = False, providers: list[str] | None = None) -> None:
+                 prepack: bool = False, providers: list[str] | None = None, quantize: str | None = None) -> None:
         super().__init__(threads)
         self.self_contained, self.opset, self.prepack = self_contained, opset, prepack
         self.providers = providers or ["CPUExecutionProvider"]
+        self.quantization = parse_quantize(quantize)  # recorded in the manifest; None: float weights
+        if self.quantization is not None and self_contained:
+            raise InputError(f"--quantize {quantize} writes onnxruntime's com.microsoft operators, which Ascend ATC "
+                             "does not take: it applies to the shared-weights export, not to --self-contained")
+        self._quantizer = WeightQuantizer(self.quantization) if self.quantization is not None else None
         self._stores: dict[Path, _WeightStore] = {}
         self._shared: dict[tuple, Any] = {}  # (name, data_ptr) -> (tensor, array, OrtValue), shared by sessions
+        # (weights file, offset, length) -> (array, OrtValue): stored tensors the module lacks (quantized
+        # weights, lifted constants), in memory once and shared by every session that reads them
+        self._stored: dict[tuple, tuple[Any, Any]] = {}
 
     @classmethod
     def check_available(cls) -> None:
@@ -586,6 +605,7 @@ class OnnxBackend(Backend):
         if not loading:
             art_dir = Path(art_dir)
             self._stores.pop(art_dir, None)
+            self._forget_stored(art_dir / WEIGHTS_FILE)
             for name in (WEIGHTS_FILE, WEIGHTS_INDEX):
                 (art_dir / name).unlink(missing_ok=True)
 
@@ -614,10 +634,16 @@ class OnnxBackend(Backend):
             tmp.unlink(missing_ok=True)
         tensors = _module_tensors(graph.module)
         _linear_to_gemm(model, set(tensors))
+        quantized = self._quantizer.rewrite(model, tensors) if self._quantizer is not None else {}
         store = self._stores.get(art_dir)
         if store is None or (store.entries and not store.bin.exists()):  # first use, or the directory was wiped
+            self._forget_stored(art_dir / WEIGHTS_FILE)
             store = self._stores[art_dir] = _WeightStore(art_dir)
         _externalize(model, tensors, store)
+        for name, array in quantized.items():
+            entry = store.add(name, array=array)
+            model.graph.initializer.append(_external_tensor(name, entry))
+            self._stored_value(store.bin, entry["offset"], entry["length"], lambda a=array: a)
         store.flush()
         leftover = [vi.name for vi in model.graph.input if vi.name not in graph.input_names]
         if leftover:
@@ -627,6 +653,23 @@ class OnnxBackend(Backend):
         onnx.checker.check_model(str(path))
 
     # ------------------------------------------------------------------------------------- load
+
+    def _forget_stored(self, weights_file: Path) -> None:
+        for key in [k for k in self._stored if k[0] == str(Path(weights_file).resolve())]:
+            del self._stored[key]
+
+    def _stored_value(self, weights_file: Path, offset: int, length: int, read):
+        """The one OrtValue of a stored tensor (read() gives its array the first time it is asked for)."""
+        import onnxruntime as ort
+
+        key = (str(Path(weights_file).resolve()), int(offset), int(length))
+        if key not in self._stored:
+            arr = read()
+            if arr.nbytes != length:
+                raise OnnxArtifactError(f"{weights_file}: {length} bytes at offset {offset} do not hold the "
+                                        f"{arr.dtype}{list(arr.shape)} tensor the graph names; recompile")
+            self._stored[key] = (arr, ort.OrtValue.ortvalue_from_numpy(arr))
+        return self._stored[key]
 
     def _shared_value(self, name: str, t: Tensor, keepalive: list[Any]):
         import onnxruntime as ort
@@ -659,13 +702,16 @@ class OnnxBackend(Backend):
             external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
             del proto
         if external:
-            if not self.prepack:
+            # Quantized kernels need pre-packing (unpacked, MatMulNBits dequantizes all of W on every call);
+            # a quantized graph has no float GEMM weights left for it to copy.
+            if not self.prepack and self.quantization is None:
                 so.add_session_config_entry("session.disable_prepacking", "1")
             tensors = _module_tensors(graph.module)
             for init in external:
                 t = tensors.get(init.name)
                 if t is None or t.device.type == "meta":
-                    continue  # ORT reads it from the weights file
+                    so.add_initializer(init.name, self._file_tensor(Path(art_dir), init, keepalive))
+                    continue
                 exported = (tuple(init.dims), onnx.helper.tensor_dtype_to_np_dtype(init.data_type))
                 if exported != (tuple(t.shape), _numpy_dtype(t.dtype)):
                     raise OnnxArtifactError(
@@ -674,3 +720,21 @@ class OnnxBackend(Backend):
                 so.add_initializer(init.name, self._shared_value(init.name, t, keepalive))
         session = ort.InferenceSession(str(path), so, providers=self.providers)
         return OrtGraph(session, graph, keepalive)
+
+    def _file_tensor(self, art_dir: Path, init, keepalive: list[Any]):
+        """An external initializer the module lacks, read from the weights file once per process."""
+        import numpy as np
+        import onnx
+
+        info = {e.key: e.value for e in init.external_data}
+        path = art_dir / info["location"]
+        offset, length = int(info.get("offset", 0)), int(info["length"])
+        dtype, dims = onnx.helper.tensor_dtype_to_np_dtype(init.data_type), tuple(init.dims)
+
+        def read():
+            count = int(np.prod(dims, dtype=np.int64))
+            return np.fromfile(path, dtype=dtype, count=count, offset=offset).reshape(dims)
+
+        value = self._stored_value(path, offset, length, read)
+        keepalive.append(value)
+        return value[1]

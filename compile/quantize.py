@@ -1,0 +1,226 @@
+"""Weight-only quantization of an exported graph's linear layers, with onnxruntime's own tools.
+
+Every linear layer of an exported graph is `Gemm(x, W, transB=1)` with W a module weight [N, K] (the onnx
+backend rewrites each `MatMul(x, Transpose(W))` so; the LM head is one, tied or not). A scheme replaces each
+of them by the operator onnxruntime's quantization tool emits for it, and nothing else changes: embeddings
+(Gather) keep the float table, so a tied LM head gets a quantized copy of the table while the lookup reads
+the float one. Each distinct weight is quantized once per process by running the tool on a one-MatMul
+model of W^T; the tool's nodes and packed tensors are then spliced in place of every Gemm that reads W, in
+every graph, under names derived from the weight's (`<weight>_Q4`, `<weight>_scales`, ...).
+
+Schemes (`SCHEMES`):
+
+- `int4`: com.microsoft `MatMulNBits` from `MatMulNBitsQuantizer`, 4 bits, blocks of 32 along K,
+  asymmetric (a scale and a 4-bit zero point per block, 5.125 bits per weight with fp32 scales), and
+  accuracy_level 4. Asymmetric because that is GGUF Q4_1's shape: Q4_1 stores a scale and a minimum per
+  block of 32 (w = d*q + m), Q4_0 a scale only (w = d*(q - 8)), the symmetric one. onnxruntime's zero point
+  is an integer and its range always includes 0 (a block of [1, 2] is quantized over [0, 2]), so it is
+  Q4_1 with the minimum rounded to a multiple of the scale: the grid shifts by up to half a step. Measured
+  on SmolLM2-135M, whose linear weights come from a Q4_1 GGUF (an exact Q4_1 requantization reproduces
+  every one of them; only the tied embedding table is not Q4_1 in that file): relative RMS weight error
+  0.084 asymmetric, 0.090 symmetric, over every 2-D weight. So int4 here is a second rounding of those
+  weights, where llama.cpp reads them as they are. accuracy_level 4 makes MLAS quantize the activations to
+  int8 per block and use integer dot products, which is what llama.cpp does on CPU for Q4_1 (activations as
+  Q8_1); accuracy_level 0 (float activations) measured 3.6x slower on SmolLM2's LM head at batch 1 here.
+- `int8`: `MatMulNBits` again, 8 bits, blocks of 32, symmetric (GGUF Q8_0's shape: one scale per block of
+  32), accuracy_level 4. onnxruntime's dynamic quantization (`quantize_dynamic`: DynamicQuantizeLinear +
+  MatMulInteger, fused into DynamicQuantizeMatMul) was measured too and is faster (decode step ~10%,
+  128-token prefill ~40%), but it quantizes the activations with ONE scale per call, over every row of the
+  call: a token's logits then depend on the other tokens computed with it (measured: with one large
+  activation in one row, no row of a [128, 576] x [576, 1536] product equals that row computed alone).
+  That breaks what the engine guarantees (greedy speculative == greedy autoregressive, batched == alone),
+  so it is not offered.
+  MatMulNBits quantizes activations per row and block: every row was bit-identical at M = 1, 4, 16, 128.
+
+onnxruntime must pre-pack these weights for speed (without it MatMulNBits dequantizes the whole matrix to
+float on every call: ~700 ms instead of ~2 ms for SmolLM2's LM head), and its Python API has no shared
+pre-packed weights container, so every session keeps its own packed copy of the weights it reads; the
+quantized tensors themselves are stored once per artifact directory and handed to every session from one
+copy in memory (see backends/onnx.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specair.models.errors import InputError, SpecairError
+
+QUANTIZE_CHOICES = ("none", "int4", "int8")
+_PLACEHOLDER_X, _PLACEHOLDER_W, _PLACEHOLDER_Y = "x", "W", "y"
+_CHUNK_BYTES = 1 << 30  # a bigger weight is quantized in chunks of output rows (protobuf caps a tensor at 2 GB)
+
+
+class QuantizationError(SpecairError):
+    """A graph could not be quantized as asked (a linear layer in a form the rewrite does not know, ...)."""
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """One weight-only quantization scheme; recorded in the artifact manifest (`to_json`)."""
+
+    method: str  # "int4" | "int8": the --quantize name
+    op: str  # the operator the linear layers become (com.microsoft MatMulNBits)
+    bits: int
+    block_size: int  # weights per scale, along K
+    symmetric: bool  # False: a zero point per block too
+    accuracy_level: int  # MatMulNBits' compute type (4: activations quantized to int8 per row and block)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SCHEMES = {
+    "int4": Quantization("int4", "MatMulNBits", 4, 32, symmetric=False, accuracy_level=4),
+    "int8": Quantization("int8", "MatMulNBits", 8, 32, symmetric=True, accuracy_level=4),
+}
+
+
+def parse_quantize(name: str | None) -> Quantization | None:
+    """The scheme for a --quantize value (None or "none": no quantization)."""
+    if name is None or name == "none":
+        return None
+    if name not in SCHEMES:
+        raise InputError(f"unknown quantization {name!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
+    return SCHEMES[name]
+
+
+@dataclass
+class _Template:
+    """The tool's output for one weight: nodes over the placeholders x, W<suffix>, y, and the new tensors."""
+
+    nodes: list[Any]
+    arrays: dict[str, np.ndarray]  # suffix (e.g. "_Q4") -> tensor
+    opsets: dict[str, int]
+
+
+def _one_matmul(wt: np.ndarray):
+    from onnx import TensorProto, helper, numpy_helper
+
+    K, N = wt.shape
+    x = helper.make_tensor_value_info(_PLACEHOLDER_X, TensorProto.FLOAT, ["M", K])
+    y = helper.make_tensor_value_info(_PLACEHOLDER_Y, TensorProto.FLOAT, ["M", N])
+    node = helper.make_node("MatMul", [_PLACEHOLDER_X, _PLACEHOLDER_W], [_PLACEHOLDER_Y], name="linear")
+    graph = helper.make_graph([node], "linear", [x], [y], [numpy_helper.from_array(wt, _PLACEHOLDER_W)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+def _run_tool(q: Quantization, wt: np.ndarray):
+    """The quantized one-MatMul model, as onnxruntime's MatMulNBitsQuantizer writes it."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = log.level
+    log.setLevel(logging.WARNING)  # it logs every node it quantizes at INFO
+    try:
+        tool = MatMulNBitsQuantizer(_one_matmul(wt), bits=q.bits, block_size=q.block_size,
+                                    is_symmetric=q.symmetric, accuracy_level=q.accuracy_level)
+        tool.process()
+        return tool.model.model
+    finally:
+        log.setLevel(level)
+
+
+def _template(q: Quantization, w: Tensor) -> _Template:
+    from onnx import numpy_helper
+
+    w32 = w.detach().to(torch.float32)
+    N, K = w32.shape
+    rows = max(1, min(N, _CHUNK_BYTES // (4 * K)))
+    parts: list[dict[str, np.ndarray]] = []
+    nodes, opsets = None, None
+    for n0 in range(0, N, rows):
+        model = _run_tool(q, np.ascontiguousarray(w32[n0:n0 + rows].T.numpy()))
+        g = model.graph
+        arrays = {}
+        for init in g.initializer:
+            if not init.name.startswith(_PLACEHOLDER_W):
+                raise QuantizationError(f"onnxruntime's quantizer produced an unexpected tensor {init.name!r}")
+            arrays[init.name[len(_PLACEHOLDER_W):]] = numpy_helper.to_array(init)
+        parts.append(arrays)
+        nodes, opsets = list(g.node), {o.domain: o.version for o in model.opset_import}
+    if not nodes or any(n.input and _PLACEHOLDER_W in n.input for n in nodes):
+        raise QuantizationError(f"onnxruntime's {q.op} quantizer left a {N}x{K} weight unquantized")
+    if len(parts) > 1:  # packed data, scales and zero points are all [N, ...]: chunks stack along N
+        arrays = {s: np.concatenate([p[s] for p in parts], axis=0) for s in parts[0]}
+        for node in nodes:
+            for a in node.attribute:
+                if a.name == "N":
+                    a.i = N
+    else:
+        arrays = parts[0]
+    return _Template(nodes, arrays, opsets)
+
+
+def _version(t: Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter (they cannot change in place)
+        return -1
+
+
+class WeightQuantizer:
+    """Rewrites exported graphs so that every linear layer reads quantized weights. Each distinct torch
+    weight is quantized once per instance (graphs of one model pair share the result)."""
+
+    def __init__(self, q: Quantization) -> None:
+        self.q = q
+        # (data_ptr, shape, dtype, version) -> (tensor kept alive so the pointer is not reused, template)
+        self._done: dict[tuple, tuple[Tensor, _Template]] = {}
+
+    def template(self, w: Tensor) -> _Template:
+        key = (w.data_ptr(), tuple(w.shape), w.dtype, _version(w))
+        if key not in self._done:
+            self._done[key] = (w, _template(self.q, w))
+        return self._done[key][1]
+
+    def rewrite(self, model, tensors: dict[str, Tensor]) -> dict[str, np.ndarray]:
+        """Replace every `Gemm(x, W, transB=1)` reading a 2-D module weight by the quantized subgraph; drop
+        weight inputs nothing reads any more. Returns the new tensors by initializer name."""
+        from onnx import helper
+
+        g = model.graph
+        new_nodes, arrays, opsets = [], {}, {}
+        for n in g.node:
+            w = n.input[1] if n.op_type == "Gemm" and not n.domain and len(n.input) == 2 else None
+            attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+            if w is None or w not in tensors or tensors[w].dim() != 2 or attrs != {"transB": 1}:
+                new_nodes.append(n)
+                continue
+            if tensors[w].dtype not in (torch.float32,):
+                raise QuantizationError(f"--quantize takes float32 models (weight {w} is {tensors[w].dtype})")
+            tpl = self.template(tensors[w])
+            prefix = f"{n.name or n.output[0]}/{self.q.method}"
+            rename = {_PLACEHOLDER_X: n.input[0], _PLACEHOLDER_Y: n.output[0], "": ""}
+            rename.update({_PLACEHOLDER_W + s: w + s for s in tpl.arrays})
+            for t in tpl.nodes:
+                c = type(t)()
+                c.CopyFrom(t)
+                c.name = f"{prefix}/{t.name}"
+                for seq in (c.input, c.output):
+                    for i, name in enumerate(seq):
+                        seq[i] = rename.get(name, f"{prefix}/{name}")
+                new_nodes.append(c)
+            arrays.update({w + s: a for s, a in tpl.arrays.items()})
+            opsets.update(tpl.opsets)
+        del g.node[:]
+        g.node.extend(new_nodes)
+        have = {o.domain for o in model.opset_import}
+        for domain, version in opsets.items():
+            if domain not in have:
+                model.opset_import.append(helper.make_opsetid(domain, version))
+        read = {i for n in g.node for i in n.input}
+        for vi in [vi for vi in g.input if vi.name in tensors and vi.name not in read]:
+            g.input.remove(vi)
+        left = [n.input[1] for n in g.node if n.op_type in ("Gemm", "MatMul") and len(n.input) > 1
+                and n.input[1] in tensors and tensors[n.input[1]].dim() >= 2]
+        if left:
+            raise QuantizationError(f"linear layers reading {sorted(set(left))[:3]} are not in the Gemm(x, W, "
+                                    f"transB=1) form the {self.q.method} rewrite knows; they would stay float")
+        return arrays
