@@ -141,12 +141,13 @@ def head_defaults(method: str, model: str | None) -> dict[str, Any]:
 def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | dict | None = None,
                 backend: str | None = None, artifacts: str | None = None, max_context: int | None = None,
                 threads: int | None = None, batch_buckets: tuple[int, ...] = (1,), max_waiting: int = 64,
-                model_name: str | None = None) -> Engine:
+                model_name: str | None = None, quantize: str | None = None) -> Engine:
     """An engine from an artifact directory (compiling nothing), or with graphs built on first use by
-    `backend` (eager by default) for the given batch buckets."""
+    `backend` (eager by default) for the given batch buckets. `quantize` (onnx only: "int4", "int8") is
+    weight-only quantization; with artifacts, None means whatever they were compiled with."""
     spec = parse_spec(spec_json)
     if artifacts is None:
-        be = get_backend(backend or "eager", threads)
+        be = get_backend(backend or "eager", threads, quantize=quantize)
         models = load_models(model, dtype, spec)
         cfg = models.target.config
         plan = Plan(max_context=min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings),
@@ -165,9 +166,11 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
                              f"({plan.speculative}); omit it to use the compiled one, or recompile")
         if max_context is not None and max_context != plan.max_context:
             raise InputError(f"--max-context {max_context} differs from the compiled plan's {plan.max_context}")
-        be = get_backend(manifest["backend"], threads)
+        if quantize is None:
+            quantize = (manifest.get("quantization") or {}).get("method")
+        be = get_backend(manifest["backend"], threads, quantize=quantize)
         models = load_models(model, plan.dtype, plan.speculative)
-        hint = compile_command(model, plan, be.name, art)
+        hint = compile_command(model, plan, be.name, art, quantize)
         t0 = time.perf_counter()
         graphs = load_artifacts(Catalog(models.target, plan, models.draft), be, art, manifest, models.fingerprints,
                                 hint)
@@ -183,18 +186,20 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
 def engine_from_models(target: Transformer, tokenizer: Any = None, draft: Any = None,
                        spec: SpeculativeConfig | dict | str | None = None, *, max_context: int | None = None,
                        prefill_chunk: int = 128, batch_buckets: tuple[int, ...] = (1,), backend: str = "eager",
-                       variants: tuple[str, ...] = VARIANTS, max_waiting: int = 64) -> Engine:
-    """An engine over models already in memory (graphs built on first use by `backend`)."""
+                       variants: tuple[str, ...] = VARIANTS, max_waiting: int = 64,
+                       quantize: str | None = None) -> Engine:
+    """An engine over models already in memory (graphs built on first use by `backend`, with weight-only
+    `quantize` for onnx)."""
     cfg = target.config
     plan = Plan(max_context=min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings),
                 batch_buckets=batch_buckets, prefill_chunk=prefill_chunk, variants=variants,
                 speculative=parse_spec(spec) if not isinstance(spec, SpeculativeConfig) else spec,
                 dtype=next(k for k, v in DTYPES.items() if v == target.dtype))
-    graphs = GraphSet(Catalog(target, plan, draft), get_backend(backend), None, lazy=True)
+    graphs = GraphSet(Catalog(target, plan, draft), get_backend(backend, quantize=quantize), None, lazy=True)
     return Engine(target, tokenizer, draft, graphs, max_waiting=max_waiting)
 
 
-def compile_command(model: str | None, plan: Plan, backend: str, out: Path) -> str:
+def compile_command(model: str | None, plan: Plan, backend: str, out: Path, quantize: str | None = None) -> str:
     """The `specair compile` command line that rebuilds artifacts for this plan."""
     import dataclasses
 
@@ -203,6 +208,8 @@ def compile_command(model: str | None, plan: Plan, backend: str, out: Path) -> s
              "--dtype", plan.dtype]
     if model:
         parts += ["--model", model]
+    if quantize not in (None, "none"):
+        parts += ["--quantize", quantize]
     if plan.speculative:
         spec = {k: v for k, v in dataclasses.asdict(plan.speculative).items() if v is not None}
         parts += ["--speculative-config", json.dumps(spec)]
@@ -211,13 +218,14 @@ def compile_command(model: str | None, plan: Plan, backend: str, out: Path) -> s
 
 def compile_plan(model: str | None, dtype: str, spec_json: str | None, backend: str, out: str,
                  buckets: tuple[int, ...], max_context: int | None, variants: tuple[str, ...],
-                 prefill_chunk: int, threads: int | None, self_contained: bool = False) -> GraphSet:
+                 prefill_chunk: int, threads: int | None, self_contained: bool = False,
+                 quantize: str | None = None) -> GraphSet:
     """`specair compile`: every graph of the plan, ahead of time, into an artifact directory
     (`self_contained`: onnx files with their weights inside, for Ascend ATC)."""
     spec = parse_spec(spec_json)
     if self_contained and backend != "onnx":
         raise InputError("--self-contained applies to the onnx backend only")
-    be = get_backend(backend, threads, **({"self_contained": True} if self_contained else {}))
+    be = get_backend(backend, threads, quantize=quantize, **({"self_contained": True} if self_contained else {}))
     models = load_models(model, dtype, spec)
     cfg = models.target.config
     plan = Plan(max_context=min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings),

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
+from specair.compile.quantize import QUANTIZE_CHOICES
 from specair.models.errors import InputError, SpecairError
 
 from specair.runtime.build import DTYPES, log
@@ -76,7 +77,8 @@ def _engine(args: argparse.Namespace):
 
     parse_spec(args.speculative_config)  # fail on a bad config before loading anything
     return open_engine(args.model, args.dtype, args.speculative_config, args.backend, args.artifacts,
-                       args.max_context, args.threads, getattr(args, "batch_buckets", (1,)))
+                       args.max_context, args.threads, getattr(args, "batch_buckets", (1,)),
+                       quantize=getattr(args, "quantize", None))
 
 
 def _stream(engine, ids: list[int], params, echo: bool):
@@ -161,7 +163,7 @@ def cmd_compile(args: argparse.Namespace) -> None:
 
     compile_plan(args.model, args.dtype, args.speculative_config, args.backend, args.out, args.buckets,
                  args.max_context, tuple(v for v in args.variants.split(",") if v), args.prefill_chunk, args.threads,
-                 args.self_contained)
+                 args.self_contained, args.quantize)
 
 
 def cmd_check_onnx(args: argparse.Namespace) -> int:
@@ -179,6 +181,9 @@ def _sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--backend", help="compile graphs with this backend as they are first needed (default eager)")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES,
+                   help="onnx: weight-only quantization of every linear layer (int4: MatMulNBits blocks of 32 like "
+                        "GGUF Q4_1; int8: 8-bit blocks of 32 like Q8_0); default none, or what --artifacts hold")
     p.add_argument("--artifacts", metavar="DIR", help="run from a `specair compile` directory, compiling nothing")
 
 
@@ -219,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--variants", default="greedy,filtered",
                    help="sampling graph variants among greedy,plain,filtered (default greedy,filtered)")
     c.add_argument("--prefill-chunk", type=int, default=128)
+    c.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
+                   help="onnx: weight-only quantization of every linear layer, LM head included (int4: MatMulNBits, "
+                        "blocks of 32 like GGUF Q4_1; int8: 8-bit blocks of 32 like Q8_0; default none)")
     c.add_argument("--self-contained", action="store_true",
                    help="onnx: embed the weights in every file (for Ascend ATC) instead of one shared weights file")
     c.set_defaults(func=cmd_compile)
