@@ -1,0 +1,158 @@
+"""Weight-only quantization of the onnx backend (`--quantize int4|int8`): every linear layer and the LM head
+become MatMulNBits while the embedding lookup keeps its float table; quantized graphs stay close to fp32;
+speculative greedy equals autoregressive greedy over the same quantized graphs; quantized weights are
+stored once and shared by every session; the manifest records the quantization and a different one is
+refused with the command that rebuilds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import save_tiny
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from specair.compile.artifacts import MANIFEST, ArtifactError
+from specair.compile.backends import get_backend
+from specair.compile.backends.onnx import WEIGHTS_INDEX, OnnxBackend
+from specair.compile.catalog import Catalog
+from specair.compile.plan import Plan
+from specair.compile.quantize import SCHEMES, parse_quantize
+from specair.compile.spec_config import SpeculativeConfig
+from specair.models.checkpoint import load_checkpoint
+from specair.models.errors import InputError
+from specair.models.llama import build_model, truncated
+from specair.runtime.build import compile_plan, engine_from_models, open_engine
+from specair.runtime.cli import build_parser
+from specair.runtime.llm import LLM
+from specair.runtime.params import SamplingParams
+
+CTX = 64  # one context bucket: every plan here has few graphs
+N_LINEAR = 2 * 4 + 1  # two layers of wqkv, wo, w13, w2, and the LM head
+# Measured on this tiny random model (hidden 64), prefill chunk, seeds 0-2: max |logit error| / max |logit|
+# was 0.044-0.054 (int4) and 0.0045-0.0049 (int8); the bounds leave ~3x room for other CPUs' kernels.
+RELATIVE_TOLERANCE = {"int4": 0.15, "int8": 0.015}
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_tied")
+    save_tiny("llama-tied", path)  # the LM head is the embedding table, as in SmolLM2
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(ckpt_dir):
+    ckpt = load_checkpoint(ckpt_dir, progress=False)
+    return build_model(ckpt.config, ckpt.state_dict)
+
+
+def _layer_skip() -> SpeculativeConfig:
+    return SpeculativeConfig.parse({"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3})
+
+
+def _catalog(model, spec=None, draft=None) -> Catalog:
+    return Catalog(model, Plan(max_context=CTX, batch_buckets=(1,), variants=("greedy",), speculative=spec,
+                               prefill_chunk=16), draft)
+
+
+@pytest.fixture(scope="module")
+def prefill_inputs(model):
+    g = torch.Generator().manual_seed(0)
+    k, v = _catalog(model).caches(model, 1)
+    k.normal_(generator=g)
+    v.normal_(generator=g)
+    return torch.randint(0, 256, (1, 16), generator=g), torch.tensor([0]), torch.tensor([16]), k, v
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_quantized_graph_runs_close_to_fp32_with_every_linear_quantized(model, prefill_inputs, tmp_path, method):
+    graph = _catalog(model).graph(f"prefill.target.b1.c{CTX}")
+    fn = OnnxBackend(threads=1, quantize=method).compile(graph, tmp_path)
+    ref = graph.eager(*prefill_inputs)[0]
+    out = fn(*prefill_inputs)[0]
+    rel = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert 0 < rel < RELATIVE_TOLERANCE[method]  # quantized (not bit-equal to fp32), yet close
+    proto = onnx.load(str(tmp_path / f"{graph.key}.onnx"), load_external_data=False)
+    nodes = proto.graph.node
+    nbits = [n for n in nodes if n.op_type == "MatMulNBits"]
+    assert len(nbits) == N_LINEAR
+    assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {SCHEMES[method].bits}
+    assert {a.i for n in nbits for a in n.attribute if a.name == "block_size"} == {32}
+    # The tied LM head reads a quantized copy of the table; the lookup still reads the float table.
+    table = "models.target.tok_embeddings.weight"
+    assert any(n.input[1] == f"{table}_Q{SCHEMES[method].bits}" for n in nbits)
+    assert [n.op_type for n in nodes if table in n.input] == ["Gather"]
+    floats = {i.name for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2}
+    assert not [n for n in nodes if n.op_type in ("Gemm", "MatMul") and set(n.input) & floats]
+
+
+def test_weights_are_quantized_once_and_shared_by_sessions(model, tmp_path):
+    spec_cat = _catalog(model, _layer_skip(), truncated(model, 1))
+    keys = [f"prefill.target.b1.c{CTX}", f"decode.b1.c{CTX}.greedy", f"draft.b1.c{CTX}.plain"]
+    be = OnnxBackend(threads=1, quantize="int4")
+    be.begin(tmp_path, loading=False)
+    for key in keys:
+        be.compile(spec_cat.graph(key), tmp_path)
+    index = json.loads((tmp_path / WEIGHTS_INDEX).read_text())["tensors"]
+    packed = {n: e for n, e in index.items() if n.endswith("_Q4")}
+    # Three graphs and the draft's own names for the target's first layer: still one copy per weight.
+    assert len({e["offset"] for e in packed.values()}) == N_LINEAR
+    assert any(n.startswith("models.draft.") for n in packed)
+    # No float copy of a linear weight is stored (only the embedding table, once, for the lookups).
+    big_floats = [n for n, e in index.items() if e["dtype"] == "float32" and len(e["shape"]) == 2
+                  and e["shape"][0] * e["shape"][1] >= 64 * 64]
+    assert {index[n]["offset"] for n in big_floats} == {index["models.target.tok_embeddings.weight"]["offset"]}
+    # A fresh process (a fresh backend) reads each stored tensor once, whichever graphs name it.
+    fresh = OnnxBackend(threads=1, quantize="int4")
+    fresh.begin(tmp_path, loading=True)
+    fresh.load(spec_cat.graph(keys[0]), tmp_path)
+    after_one = len(fresh._stored)
+    fresh.load(spec_cat.graph(keys[1]), tmp_path)
+    assert len(fresh._stored) == after_one  # the decode graph reads the very same arrays
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_speculative_greedy_equals_autoregressive_greedy_under_quantization(model, method):
+    prompts = [list(range(3, 30, 2)), [5, 6, 7, 8]]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    kw = dict(max_context=CTX, prefill_chunk=16, variants=("greedy",), backend="onnx", quantize=method)
+    auto = LLM.from_engine(engine_from_models(model, **kw)).generate(prompts, params)
+    spec = LLM.from_engine(engine_from_models(model, None, truncated(model, 1), _layer_skip(), **kw))
+    res = spec.generate(prompts, params)
+    assert [r.token_ids for r in res] == [r.token_ids for r in auto]
+    assert all(r.extra["spec"]["mean_accepted_length"] > 1 for r in res)  # it did speculate
+
+
+def test_manifest_records_quantization_and_refuses_another(ckpt_dir, tmp_path):
+    art = tmp_path / "art"
+    compile_plan(str(ckpt_dir), "fp32", None, "onnx", str(art), (1,), CTX, ("greedy",), 16, 1, quantize="int4")
+    manifest = json.loads((art / MANIFEST).read_text())
+    assert manifest["quantization"] == SCHEMES["int4"].to_json()
+    engine = open_engine(str(ckpt_dir), artifacts=str(art))  # no --quantize: what the artifacts hold
+    assert engine.graphs.backend.quantization == SCHEMES["int4"]
+    for other in ("int8", "none"):
+        with pytest.raises(ArtifactError) as e:
+            open_engine(str(ckpt_dir), artifacts=str(art), quantize=other)
+        assert f"compiled with quantization 'int4', not '{other}'" in str(e.value)
+        assert ("--quantize int8" in str(e.value)) == (other == "int8")  # the command that rebuilds
+        assert f"specair compile --backend onnx --out {art}" in str(e.value)
+
+
+def test_quantize_option_is_checked():
+    args = build_parser().parse_args(["compile", "--backend", "onnx", "--out", "x", "--quantize", "int4"])
+    assert args.quantize == "int4"
+    assert build_parser().parse_args(["generate", "--prompt", "hi", "--backend", "onnx", "--quantize",
+                                      "int8"]).quantize == "int8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["compile", "--backend", "onnx", "--out", "x", "--quantize", "int3"])
+    assert parse_quantize("none") is None and parse_quantize(None) is None
+    with pytest.raises(InputError, match="onnx backend"):
+        get_backend("eager", quantize="int4")
+    with pytest.raises(InputError, match="self-contained"):
+        OnnxBackend(self_contained=True, quantize="int4")
+    with pytest.raises(InputError, match="unknown quantization"):
+        OnnxBackend(quantize="int2")
