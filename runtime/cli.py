@@ -234,8 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     from specair.runtime.bench import add_bench_parser
     from specair.runtime.server import add_serve_parser
 
+    from specair.training.cli import add_train_parser
+
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_train_parser(sub)
 
     o = sub.add_parser("check-onnx", help="report anything in ONNX files that Ascend ATC would not accept")
     o.add_argument("files", nargs="+")
