@@ -16,9 +16,10 @@ from specair.compile.spec_config import SpeculativeConfig
 from specair.models.checkpoint import load_checkpoint
 from specair.models.errors import InputError
 from specair.models.llama import build_model, truncated
+from specair.runtime.build import engine_from_models
+from specair.runtime.engine import Engine
+from specair.runtime.llm import LLM
 from specair.runtime.params import SamplingParams
-from specair.runtime.reference import ReferenceDecoder
-from specair.runtime.speculative import SpeculativeDecoder
 
 CHAIN = SpeculativeConfig.parse({"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2})
 TREE = SpeculativeConfig.parse({"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2,
@@ -79,8 +80,8 @@ def test_backends_refuse_clearly():
 PROMPT = list(range(5, 30))
 
 
-def generate(decoder, n=24):
-    return decoder.generate(PROMPT, SamplingParams(max_tokens=n, ignore_eos=True)).token_ids
+def generate(engine, n=24):
+    return LLM.from_engine(engine).generate(PROMPT, SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
 
 
 @pytest.mark.parametrize("backend,spec", [("inductor", None), ("inductor", CHAIN), ("inductor", TREE),
@@ -88,13 +89,10 @@ def generate(decoder, n=24):
                          ids=["inductor-autoregressive", "inductor-chain", "inductor-tree", "aoti-chain", "onnx-chain"])
 def test_backend_generation_equals_eager(tiny, backend, spec):
     """Graphs compiled on first use by a backend give the eager tokens, and never recompile after."""
-    kw = dict(max_context=64, prefill_chunk_size=16)
-    if spec is None:
-        eager, compiled = ReferenceDecoder(tiny, **kw), ReferenceDecoder(tiny, backend=backend, **kw)
-    else:
-        draft = truncated(tiny, 1)
-        eager = SpeculativeDecoder(tiny, draft, spec, **kw)
-        compiled = SpeculativeDecoder(tiny, draft, spec, backend=backend, **kw)
+    draft = truncated(tiny, 1) if spec is not None else None
+    kw = dict(max_context=64, prefill_chunk=16)
+    eager = engine_from_models(tiny, None, draft, spec, **kw)
+    compiled = engine_from_models(tiny, None, draft, spec, backend=backend, **kw)
     assert generate(compiled) == generate(eager)
     assert generate(compiled, 30) == generate(eager, 30)  # same graphs again: no new compiles needed
 
@@ -111,11 +109,11 @@ def test_artifacts_roundtrip_and_refusals(tiny, tmp_path):
     manifest = read_manifest(tmp_path)
     assert manifest["graphs"] == cat.keys() and manifest["backend"] == "eager"
     graphs = load_artifacts(cat, eager, tmp_path, manifest, fingerprints(), "HINT")
-    dec = SpeculativeDecoder(tiny, truncated(tiny, 1), tokenizer=None, graphs=graphs)
-    ref = SpeculativeDecoder(tiny, truncated(tiny, 1), CHAIN, max_context=128, prefill_chunk_size=16)
-    assert generate(dec) == generate(ref)
+    loaded = Engine(tiny, None, truncated(tiny, 1), graphs)
+    ref = engine_from_models(tiny, None, truncated(tiny, 1), CHAIN, max_context=128, prefill_chunk=16)
+    assert generate(loaded) == generate(ref)
     with pytest.raises(InputError, match="variant 'filtered' is not in the plan"):  # a variant not compiled
-        dec.generate(PROMPT, SamplingParams(max_tokens=4, temperature=1.0, top_k=5))
+        loaded.add_request(PROMPT, SamplingParams(max_tokens=4, temperature=1.0, top_k=5))
     with pytest.raises(ArtifactError, match="not in the compiled plan"):
         graphs("verify.b2.c64")
     with pytest.raises(ArtifactError, match="target differs.*HINT"):

@@ -1,4 +1,4 @@
-"""specair's decoder against HF transformers on random checkpoints loaded from save_pretrained dirs."""
+"""specair's model and engine against HF transformers on random checkpoints loaded from save_pretrained dirs."""
 
 import pytest
 import torch
@@ -6,8 +6,9 @@ from helpers import VARIANTS, save_tiny
 
 from specair.models.checkpoint import load_checkpoint
 from specair.models.llama import build_model
+from specair.runtime.build import engine_from_models
+from specair.runtime.llm import LLM
 from specair.runtime.params import SamplingParams
-from specair.runtime.reference import ReferenceDecoder
 
 
 def load(path, dtype=torch.float32):
@@ -30,11 +31,11 @@ def test_logits_match_transformers(kind, tmp_path):
 @pytest.mark.parametrize("kind", sorted(VARIANTS))
 def test_greedy_matches_generate(kind, tmp_path):
     hf = save_tiny(kind, tmp_path)
-    decoder = ReferenceDecoder(load(tmp_path), prefill_chunk_size=16)
+    llm = LLM.from_engine(engine_from_models(load(tmp_path), prefill_chunk=16))
     prompt = torch.randint(0, 256, (1, 37), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = hf.generate(prompt, max_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=0)
-    res = decoder.generate(prompt[0].tolist(), SamplingParams(max_tokens=64, ignore_eos=True))
+    res = llm.generate(prompt[0].tolist(), SamplingParams(max_tokens=64, ignore_eos=True))[0]
     assert res.token_ids == ref[0, 37:].tolist()
     assert res.finish_reason == "length"
 

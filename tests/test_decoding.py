@@ -1,4 +1,6 @@
-"""The static KV cache, chunked prefill and sampling of the reference decoder."""
+"""The static KV cache, chunked prefill, sampling, and the stop conditions of autoregressive decoding."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,16 +13,26 @@ from specair.graphs.steps import decode_step, prefill_chunk
 from specair.models.checkpoint import load_checkpoint
 from specair.models.errors import InputError
 from specair.models.llama import build_model
+from specair.runtime.build import engine_from_models
+from specair.runtime.llm import LLM
 from specair.runtime.params import SamplingParams
-from specair.runtime.reference import ReferenceDecoder
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
     save_tiny("llama", path)
-    ckpt = load_checkpoint(path, progress=False)
-    return {dt: build_model(ckpt.config, ckpt.state_dict, dt) for dt in (torch.float32, torch.float64)}
+    return load_checkpoint(path, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_ckpt):
+    return {dt: build_model(tiny_ckpt.config, tiny_ckpt.state_dict, dt) for dt in (torch.float32, torch.float64)}
+
+
+def llm(model, **kw):
+    """The engine over a model in memory, one request at a time."""
+    return LLM.from_engine(engine_from_models(model, **kw))
 
 
 GREEDY = (torch.zeros(1), torch.zeros(1, dtype=torch.long), torch.ones(1), torch.zeros(1))
@@ -38,20 +50,24 @@ def test_kv_cache_decoding_equals_full_recomputation(tiny, dtype, tol):
         assert (logits[0] - full[19]).abs().max() <= tol
         for t in range(20, 60):
             greedy = [x.to(dtype) if x.is_floating_point() else x for x in GREEDY]
-            _, logits, nk, nv = decode_step(model, seq[:, t], torch.tensor([t]), k, v, *greedy, ctx=64)
+            _, logits, _, nk, nv = decode_step(model, seq[:, t], torch.tensor([t]), k, v, *greedy, ctx=64)
             commit_kv(k, v, nk, nv, torch.tensor([[t]]))
             assert (logits[0] - full[t]).abs().max() <= tol, t
 
 
 def test_chunked_prefill_equals_one_shot(tiny):
+    """A 100-token prompt prefilled in one chunk or in chunks of 7 (crossing context buckets) leaves the same
+    K/V in the engine's prefill cache and generates the same tokens, greedy and sampled."""
     model = tiny[torch.float64]
     prompt = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1)).tolist()
-    one, many = ReferenceDecoder(model, prefill_chunk_size=128), ReferenceDecoder(model, prefill_chunk_size=7)
-    a, b = one.prefill(prompt), many.prefill(prompt)
-    assert (a - b).abs().max() <= 1e-10
-    assert (one.k_cache[..., :100, :] - many.k_cache[..., :100, :]).abs().max() <= 1e-10
-    p = SamplingParams(max_tokens=20, ignore_eos=True)
-    assert one.generate(prompt, p).token_ids == many.generate(prompt, p).token_ids
+    one, many = llm(model, prefill_chunk=128), llm(model, prefill_chunk=7)
+    for p in (SamplingParams(max_tokens=20, ignore_eos=True),
+              SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.0, seed=3)):
+        a, b = one.generate(prompt, p)[0], many.generate(prompt, p)[0]
+        assert a.token_ids == b.token_ids
+    # The last request prefilled the same prompt into each engine's scratch cache.
+    for x, y in zip(one.engine.scratch, many.engine.scratch, strict=True):
+        assert (x[..., :100, :] - y[..., :100, :]).abs().max() <= 1e-10
 
 
 def test_probs_match_transformers_warpers():
@@ -90,37 +106,29 @@ def test_temperature_zero_is_argmax_and_padding_rows_are_independent():
 
 
 def test_seeded_sampling_reproduces(tiny):
-    dec = ReferenceDecoder(tiny[torch.float32], prefill_chunk_size=16)
+    gen = llm(tiny[torch.float32], prefill_chunk=16)
     prompt = list(range(10, 30))
     p = SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
-    a, b = dec.generate(prompt, p), dec.generate(prompt, p)
-    c = dec.generate(prompt, SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=8, ignore_eos=True))
+    a, b = gen.generate(prompt, p)[0], gen.generate(prompt, p)[0]
+    c = gen.generate(prompt, SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=8, ignore_eos=True))[0]
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
 
 
-def test_eos_and_max_tokens(tiny):
-    model = tiny[torch.float32]
-    dec = ReferenceDecoder(model, prefill_chunk_size=16)
+def test_eos_and_max_tokens(tiny, tiny_ckpt):
     prompt = list(range(5, 25))
-    free = dec.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    free = llm(tiny[torch.float32], prefill_chunk=16).generate(prompt, SamplingParams(max_tokens=12,
+                                                                                         ignore_eos=True))[0]
     assert free.num_generated_tokens == 12 and free.finish_reason == "length"
-    dec.eos_ids = frozenset({free.token_ids[4]})
-    stopped = dec.generate(prompt, SamplingParams(max_tokens=12))
-    first = free.token_ids.index(free.token_ids[4])
+    # The same weights with the fifth generated token as the model's EOS: generation stops at its first use.
+    eos = free.token_ids[4]
+    cfg = dataclasses.replace(tiny_ckpt.config, eos_token_ids=(eos,))
+    gen = llm(build_model(cfg, tiny_ckpt.state_dict, torch.float32), prefill_chunk=16)
+    stopped = gen.generate(prompt, SamplingParams(max_tokens=12))[0]
+    first = free.token_ids.index(eos)
     assert stopped.token_ids == free.token_ids[:first + 1] and stopped.finish_reason == "stop"
-
-
-def test_context_limits(tiny):
-    dec = ReferenceDecoder(tiny[torch.float32], max_context=64, prefill_chunk_size=16)
-    with pytest.raises(InputError, match="context holds 64"):
-        dec.generate(list(range(64)))
-    with pytest.raises(InputError, match="empty"):
-        dec.generate([])
-    with pytest.raises(InputError, match="token ids"):
-        dec.generate([1, 2, 999])
-    res = dec.generate(list(range(60)), SamplingParams(max_tokens=100, ignore_eos=True))
-    assert res.num_generated_tokens == 4 and res.finish_reason == "length"
+    ignored = gen.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
