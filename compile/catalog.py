@@ -44,6 +44,7 @@ class Catalog:
         if self.spec is not None and draft is None and self.spec.method != "ngram":
             raise ValueError(f"a {self.spec.method} plan needs its draft model or heads")
         self._defs: dict[str, GraphDef] = {}
+        self._caches: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
 
     # ---- keys ---------------------------------------------------------------------------------------
 
@@ -126,7 +127,12 @@ class Catalog:
         return type(tensors)(*moved) if hasattr(tensors, "_fields") else tuple(moved)
 
     def caches(self, model: Transformer, B: int) -> tuple[Tensor, Tensor]:
-        return model.empty_cache(B, self.plan.slots)
+        """Example caches, one pair per model and batch bucket shared by all its graphs: a cache of a
+        large bucket is gigabytes, and every context bucket's graph would otherwise hold its own."""
+        key = (id(model), B)
+        if key not in self._caches:
+            self._caches[key] = model.empty_cache(B, self.plan.slots)
+        return self._caches[key]
 
     def _sampling(self, B: int) -> list[Tensor]:
         dt = self.target.dtype
