@@ -87,25 +87,29 @@ def encode_prompt(rec: dict[str, Any], tokenizer: Any) -> list[int]:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One specair configuration: backend × proposer (speculative config, None = autoregressive) × dtype."""
+    """One specair configuration: backend × proposer (speculative config, None = autoregressive) × dtype, or
+    an artifact directory from `specair compile` (its manifest fills in backend, dtype, proposer, quantization)."""
 
     speculative_config: dict[str, Any] | None = None
     backend: str = "eager"
     dtype: str = "fp32"
     artifacts: str | None = None
     name: str | None = None
+    quantize: str | None = None  # weight-only quantization, as recorded in the artifacts' manifest
 
     @property
     def label(self) -> str:
         return self.name or config_name(self)
 
     @property
-    def baseline_key(self) -> tuple[str, str]:
-        return (self.backend, self.dtype)
+    def baseline_key(self) -> tuple[str, str, str | None]:
+        """Configurations with the same key share an autoregressive baseline (same arithmetic and backend)."""
+        return (self.backend, self.dtype, self.quantize)
 
 
 def config_name(cfg: BenchConfig) -> str:
-    """A short readable name: method, lookahead, the other keys, then backend/dtype when not the defaults."""
+    """A short readable name: method, lookahead, the other keys, then backend/dtype/quantization when not
+    the defaults."""
     s = cfg.speculative_config
     if s is None:
         name = AUTOREGRESSIVE
@@ -114,8 +118,30 @@ def config_name(cfg: BenchConfig) -> str:
                          if k not in ("method", "num_speculative_tokens"))
         name = f"{s['method']} k={s['num_speculative_tokens']}" + (f" {extra}" if extra else "")
     tags = [t for t in (cfg.backend if cfg.backend != "eager" else "", cfg.dtype if cfg.dtype != "fp32" else "",
-                        "artifacts" if cfg.artifacts else "") if t]
-    return name + (f" [{', '.join(tags)}]" if tags else "")
+                        cfg.quantize or "") if t]
+    return name + (f" [{' '.join(tags)}]" if tags else "")
+
+
+def _from_artifacts(artifacts: str, spec: dict[str, Any] | None) -> dict[str, Any]:
+    """Backend, dtype, proposer and quantization of an artifact directory (refusing a different proposer)."""
+    import dataclasses
+
+    from specair.compile.artifacts import read_manifest
+    from specair.compile.plan import Plan
+    from specair.compile.spec_config import SpeculativeConfig
+
+    manifest = read_manifest(Path(artifacts))
+    plan = Plan.from_json(manifest["plan"])
+    compiled = plan.speculative
+    if spec is not None and SpeculativeConfig.parse(spec) != compiled:
+        raise InputError(f"{artifacts} was compiled for {compiled}, not {spec}; drop the speculative config to "
+                         "use the compiled one")
+    if compiled is not None and spec is None:  # the keys that differ from the defaults, for the name
+        defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
+        spec = {k: v for k, v in dataclasses.asdict(compiled).items()
+                if k in ("method", "num_speculative_tokens") or v != defaults.get(k)}
+    return {"speculative_config": spec, "backend": manifest["backend"], "dtype": plan.dtype,
+            "quantize": (manifest.get("quantization") or {}).get("method")}
 
 
 def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
@@ -146,6 +172,12 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
             spec = {**head_defaults(spec["method"], spec.get("model")), **spec}  # what the heads were trained for
         if spec is not None:
             SpeculativeConfig.parse(spec)  # refuse a bad config before loading anything
+        if entry.get("artifacts"):
+            if set(entry) & {"backend", "dtype"}:
+                raise InputError(f"{entry['artifacts']}: backend and dtype come from the artifacts' manifest")
+            out.append(BenchConfig(**_from_artifacts(entry["artifacts"], spec), artifacts=entry["artifacts"],
+                                   name=entry.get("name")))
+            continue
         specs = ([{**spec, "acceptance": a} for a in acceptances]
                  if spec is not None and acceptances and "acceptance" not in spec else [spec])
         for be in [entry["backend"]] if "backend" in entry else backends:
@@ -153,10 +185,13 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
                 name = entry.get("name")
                 if name and len(specs) > 1:
                     name += f" ({sp['acceptance']})"
-                out.append(BenchConfig(sp, be, entry.get("dtype", dtype), entry.get("artifacts"), name))
-    baselines = {c.baseline_key for c in out if c.speculative_config is None and not c.artifacts}
-    needed = [BenchConfig(None, be, dt) for be, dt in dict.fromkeys(c.baseline_key for c in out)
-              if (be, dt) not in baselines]
+                out.append(BenchConfig(sp, be, entry.get("dtype", dtype), name=name))
+    # Baselines: any autoregressive configuration; one is added per (backend, dtype) that lacks it (not for
+    # artifacts: their speculative configurations fall back to the reference when no autoregressive artifact
+    # with the same backend and quantization is listed).
+    baselines = {c.baseline_key for c in out if c.speculative_config is None}
+    needed = [BenchConfig(None, be, dt) for be, dt, q in dict.fromkeys(c.baseline_key for c in out if not c.artifacts)
+              if (be, dt, q) not in baselines]
     configs = needed + out
     configs.sort(key=lambda c: c.speculative_config is not None)  # baselines first, order otherwise kept
     names = [c.label for c in configs]
@@ -198,7 +233,8 @@ class SpecairRunner:
                  threads: int | None) -> None:
         from specair.runtime.llm import LLM
 
-        self.llm = LLM(model, config.speculative_config, backend=config.backend, artifacts=config.artifacts,
+        spec = None if config.artifacts else config.speculative_config  # artifacts carry their own
+        self.llm = LLM(model, spec, backend=config.backend, artifacts=config.artifacts,
                        dtype=config.dtype, max_context=None if config.artifacts else max_context,
                        batch_buckets=tuple(batch_buckets), threads=threads, max_waiting=max(64, *batch_buckets))
         self.tokenizer = self.llm.tokenizer
@@ -549,13 +585,20 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     # Build every runner first, so loading never lands between two measurements.
     entries: list[Entry] = []
     runners: dict[str, Runner] = {}
-    baseline_of = {c.baseline_key: c.label for c in configs if c.speculative_config is None and not c.artifacts}
+    baseline_of = {}
+    for c in configs:
+        if c.speculative_config is None:
+            baseline_of.setdefault(c.baseline_key, c.label)
     for c in configs:
         spec = {"kind": "specair", "model": opts.model, "config": asdict(c), "max_context": opts.max_context,
                 "batch_buckets": buckets, "threads": threads}
         _log(f"bench: building {c.label}")
         runners[c.label] = make_runner(spec)
-        base = c.label if c.speculative_config is None else baseline_of[c.baseline_key]
+        base = c.label if c.speculative_config is None else baseline_of.get(c.baseline_key)
+        if base is None:
+            base = baseline_of[("eager", c.dtype, None)] if ("eager", c.dtype, None) in baseline_of else configs[0].label
+            notes.append(f"{c.label}: no autoregressive configuration with the same backend and quantization "
+                         f"was listed; its speedup is over {base}")
         entries.append(Entry(c.label, "specair", base, spec))
     reference = entries[0].name
     ref_runner = runners[reference]

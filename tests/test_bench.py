@@ -187,3 +187,21 @@ def test_memory_probe_builds_the_configuration_in_a_fresh_process(tiny_with_toke
     assert peak is not None and 50 * 2**20 < peak < 8 * 2**30
     broken = {**spec, "model": str(tiny_with_tokenizer / "missing")}
     assert bench.probe_peak_rss(broken, [1, 2, 3], SamplingParams(max_tokens=2), None) is None
+
+
+def test_artifact_configurations_take_their_plan_from_the_manifest(tiny_with_tokenizer, tmp_path):
+    from specair.runtime.build import compile_plan
+
+    art = tmp_path / "ngram-art"
+    compile_plan(str(tiny_with_tokenizer), "fp32", '{"method": "ngram", "num_speculative_tokens": 2}', "eager",
+                 str(art), (1,), 128, ("greedy",), 64, None)
+    cfgs = bench.parse_configs([None, {"artifacts": str(art)}])
+    assert [c.label for c in cfgs] == ["autoregressive", "ngram k=2 prompt_lookup_min=1 prompt_lookup_max=4"]
+    c = cfgs[1]
+    assert (c.backend, c.dtype, c.quantize, c.speculative_config["method"]) == ("eager", "fp32", None, "ngram")
+    assert c.baseline_key == cfgs[0].baseline_key  # same arithmetic: eager autoregressive is its baseline
+    with pytest.raises(InputError, match="was compiled for"):
+        bench.parse_configs([{"artifacts": str(art), "speculative_config": {"method": "ngram",
+                                                                           "num_speculative_tokens": 3}}])
+    with pytest.raises(InputError, match="manifest"):
+        bench.parse_configs([{"artifacts": str(art), "backend": "onnx"}])
