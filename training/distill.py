@@ -152,6 +152,18 @@ def generate_answers(records: list[dict], cache: Path, llm: object, max_new_toke
     return [done[r["id"]] for r in records]
 
 
+def _check_prompts(records: list[dict], answers: dict[int, dict], tokenizer, cache: Path) -> None:
+    """Refuse cached answers whose prompt tokens are not this prompt set's (a changed set or template)."""
+    for r in records:
+        a = answers.get(r["id"])
+        if a is None:
+            continue
+        ids = tokenizer.encode(tokenizer.apply_chat_template(r["messages"]), add_special_tokens=False)
+        if ids != a["prompt_ids"]:
+            raise InputError(f"{cache}: the cached answer for prompt id {r['id']} was made for another prompt; "
+                             "pass another --cache-dir or delete that directory")
+
+
 def _read_index(cache: Path) -> dict[str, str]:
     f = cache / "hidden" / "index.json"
     return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
@@ -199,12 +211,14 @@ def cache_hidden(answers: list[dict], cache: Path, model: Transformer) -> None:
 
 def distill(model: Transformer, fingerprint: str, target_path: str | None, *, cache: Path | None = None,
             prompts_path: str | Path | None = None, max_prompts: int | None = None, max_new_tokens: int = 256,
-            make_llm: Callable[[], object] | None = None, gen_batch: int = 16, chunk: int = 64) -> DistilledData:
+            make_llm: Callable[[], object] | None = None, gen_batch: int = 16, chunk: int = 64,
+            tokenizer: object | None = None) -> DistilledData:
     """Build (or resume, or just load) the distilled set for the first `max_prompts` prompts and return it.
 
     model: the target loaded from `target_path` (None: the default model), for the hidden-state forward;
     make_llm: builds the `specair.LLM` that answers (default: `LLM(target_path, batch_buckets=(1, 2, 4, ...,
-    gen_batch))`)."""
+    gen_batch))`); tokenizer: the target's, to check that cached answers belong to these prompts. Splits and
+    categories come from the prompt records, not from the cache."""
     cache = Path(cache) if cache is not None else default_cache_dir(fingerprint)
     records = select_prompts(load_prompts(prompts_path), max_prompts)
     _check_meta(cache, {"format": CACHE_FORMAT, "fingerprint": fingerprint, "max_new_tokens": max_new_tokens,
@@ -220,6 +234,8 @@ def distill(model: Transformer, fingerprint: str, target_path: str | None, *, ca
     llm = None
     # A chunk of prompts at a time, answers then hidden states, so an interrupted run keeps a usable prefix.
     done_answers, index = read_answers(cache), _read_index(cache)
+    if tokenizer is not None:
+        _check_prompts(records, done_answers, tokenizer, cache)
     todo = [r for r in records if r["id"] not in done_answers or str(r["id"]) not in index]
     bar = tqdm(total=len(records), initial=len(records) - len(todo), desc="distill", unit="prompt")
     for start in range(0, len(todo), chunk):
@@ -230,6 +246,9 @@ def distill(model: Transformer, fingerprint: str, target_path: str | None, *, ca
         bar.update(len(part))
     bar.close()
     data = load_distilled(cache, [r["id"] for r in records])
+    labels = {r["id"]: (r["split"], r["category"]) for r in records}
+    for seq in data.sequences:
+        seq.split, seq.category = labels[seq.id]
     data.meta["distill_seconds_this_run"] = round(time.perf_counter() - t0, 1)
     return data
 

@@ -40,7 +40,7 @@ class EagleSettings:
     ce_weight: float = 0.1  # EAGLE-1's p_w (feature regression weight v_w = 1)
     noise: float = 0.1  # half-width of the uniform noise added to the input hidden states
     eval_depth: int = 6  # draft depth of the offline acceptance eval
-    init: str = "random"  # or "last_layer": start the decoder layer from the target's last layer
+    init: str = "identity"  # "identity": the head starts as f_p = h_p (see EagleRecipe._init_identity); "random"
 
 
 def _causal(n: int, dtype: torch.dtype) -> Tensor:
@@ -106,10 +106,10 @@ class EagleRecipe:
         self.setup, self.s = setup, settings
         self.vocab = setup.draft_vocab(settings.draft_vocab)
         self.head = EagleHead(setup.target, draft_vocab=self.vocab)
-        if settings.init == "last_layer":
-            self._init_from_last_layer()
+        if settings.init == "identity":
+            self._init_identity()
         elif settings.init != "random":
-            raise ValueError(f"unknown EAGLE init {settings.init!r} (random, last_layer)")
+            raise ValueError(f"unknown EAGLE init {settings.init!r} (identity, random)")
         self.head.train()
         self.to_reduced = _full_to_reduced(self.head)
         self.params = {f"fc.{n}": p for n, p in self.head.fc.named_parameters()}
@@ -117,13 +117,19 @@ class EagleRecipe:
         for p in self.params.values():
             p.requires_grad_(True)
 
-    def _init_from_last_layer(self) -> None:
-        last = self.setup.target.layers[-1]
-        own = self.head.layers[0]
+    def _init_identity(self) -> None:
+        """fc passes the hidden half through and the layer's output projections start at zero, so the untrained
+        head returns its input hidden state: training starts from "h_{p+1} ~ h_p" and learns the difference,
+        instead of from a random feature the LM head turns into noise."""
+        H = self.head.config.hidden_size
+        layer = self.head.layers[0]
         with torch.no_grad():
-            for name in ("attention.wqkv.weight", "attention.wo.weight", "feed_forward.w13.weight",
-                         "feed_forward.w2.weight", "ffn_norm.weight"):
-                own.get_parameter(name).copy_(last.get_parameter(name))
+            self.head.fc.weight.zero_()
+            self.head.fc.weight[:, H:] = torch.eye(H)
+            if self.head.fc.bias is not None:
+                self.head.fc.bias.zero_()
+            layer.attention.wo.weight.zero_()
+            layer.feed_forward.w2.weight.zero_()
 
     def _targets(self, tokens: Tensor) -> Tensor:
         """Token ids as the head's logit indices (-1 where outside the draft vocabulary)."""
@@ -226,8 +232,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ce-weight", type=float, default=d.ce_weight, help="weight of the cross-entropy term")
     p.add_argument("--noise", type=float, default=d.noise, help="uniform noise half-width on input hidden states")
     p.add_argument("--eval-depth", type=int, default=d.eval_depth, help="draft depth of the held-out eval")
-    p.add_argument("--init", choices=("random", "last_layer"), default=d.init,
-                   help="initial decoder layer: random, or a copy of the target's last layer")
+    p.add_argument("--init", choices=("identity", "random"), default=d.init,
+                   help="identity: the untrained head returns its input hidden state; random: default init")
 
 
 def settings_from_args(args: argparse.Namespace) -> EagleSettings:

@@ -19,7 +19,7 @@ PROMPTS_FILE = Path(__file__).with_name("prompts.jsonl")
 CATEGORIES = ("chat", "explain", "code_write", "code_explain", "summarize", "translate", "math", "retrieval",
               "creative", "howto")
 SPLITS = ("train", "heldout")
-HELDOUT_EVERY = 10  # every 10th prompt of a category (after the deterministic shuffle) is held out
+HELDOUT_EVERY = 10  # one prompt in 10 of each category (after the deterministic shuffle) is held out
 SEED = 20240611
 
 # ---- general chat: open questions, advice, opinions ----
@@ -621,15 +621,16 @@ _BUILDERS = {"chat": _chat, "explain": _explain, "code_write": _code_write, "cod
 
 def build_prompt_set(seed: int = SEED) -> list[dict]:
     """All prompt records, deterministic for a seed: categories interleaved round-robin (so the first N
-    records cover every category), about one in HELDOUT_EVERY of each category held out."""
+    records cover every category), one in HELDOUT_EVERY of each category held out, staggered across
+    categories so that every round of the interleaving holds some out (any prefix keeps a held-out share)."""
     per_category: dict[str, list[dict]] = {}
-    for cat in CATEGORIES:
+    for c, cat in enumerate(CATEGORIES):
         rng = random.Random(f"{seed}:{cat}")
         texts = list(dict.fromkeys(_BUILDERS[cat](rng)))  # drop exact duplicates, keep order
         texts = _shuffled(texts, rng)
         per_category[cat] = [
             {"messages": [{"role": "user", "content": text}],
-             "split": "heldout" if i % HELDOUT_EVERY == HELDOUT_EVERY - 1 else "train", "category": cat}
+             "split": "heldout" if i % HELDOUT_EVERY == c % HELDOUT_EVERY else "train", "category": cat}
             for i, text in enumerate(texts)]
     records: list[dict] = []
     longest = max(len(v) for v in per_category.values())

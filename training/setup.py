@@ -84,7 +84,7 @@ def prepare(options: DataOptions, threads: int | None = None) -> TrainingSetup:
     data = distill(target, fingerprint, options.target,
                    cache=Path(options.cache_dir) if options.cache_dir else None, prompts_path=options.prompts,
                    max_prompts=options.max_prompts, max_new_tokens=options.max_new_tokens,
-                   gen_batch=options.gen_batch)
+                   gen_batch=options.gen_batch, tokenizer=tokenizer)
     if not data.split("train"):
         raise InputError("the distilled set has no training sequences; raise --max-prompts")
     if not data.split("heldout"):

@@ -154,7 +154,7 @@ class Trainer:
                     torch.nn.utils.clip_grad_norm_(list(self.params.values()), cfg.grad_clip)
                 self.opt.step()
                 self.step += 1
-                metrics = {k: float(v) for k, v in out.items()}
+                metrics = {k: float(v.detach() if isinstance(v, Tensor) else v) for k, v in out.items()}
                 for k, v in metrics.items():
                     running[k] = v if k not in running else 0.9 * running[k] + 0.1 * v
                 bar.set_postfix({k: f"{v:.3g}" for k, v in running.items()} | {"lr": f"{lr:.2g}"})
