@@ -339,6 +339,7 @@ def plot_all(summary: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for n, a in acc.items():
             ax.plot(range(1, len(a) + 1), a, marker="o", label=n)
+        ax.set_xticks(range(1, max(map(len, acc.values())) + 1))
         ax.set_xlabel("draft position (depth)")
         ax.set_ylabel("acceptance rate (per speculative step)")
         ax.set_ylim(0, 1.02)
