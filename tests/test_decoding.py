@@ -57,15 +57,13 @@ def test_kv_cache_decoding_equals_full_recomputation(tiny, dtype, tol):
 
 def test_chunked_prefill_equals_one_shot(tiny):
     """A 100-token prompt prefilled in one chunk or in chunks of 7 (crossing context buckets) leaves the same
-    K/V in the engine's prefill cache and generates the same tokens, greedy and sampled."""
+    K/V in the engine's prefill cache and generates the same tokens."""
     model = tiny[torch.float64]
     prompt = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1)).tolist()
     one, many = llm(model, prefill_chunk=128), llm(model, prefill_chunk=7)
-    for p in (SamplingParams(max_tokens=20, ignore_eos=True),
-              SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.0, seed=3)):
-        a, b = one.generate(prompt, p)[0], many.generate(prompt, p)[0]
-        assert a.token_ids == b.token_ids
-    # The last request prefilled the same prompt into each engine's scratch cache.
+    p = SamplingParams(max_tokens=20, ignore_eos=True)
+    assert one.generate(prompt, p)[0].token_ids == many.generate(prompt, p)[0].token_ids
+    # The request prefilled its prompt into each engine's scratch cache.
     for x, y in zip(one.engine.scratch, many.engine.scratch, strict=True):
         assert (x[..., :100, :] - y[..., :100, :]).abs().max() <= 1e-10
 
