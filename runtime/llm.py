@@ -69,18 +69,18 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamEvent]:
         """Stream one request's text deltas; the last event carries its GenerationResult."""
         rid = self.engine.add_request(self.encode(prompt), params or SamplingParams())
+        done = False
         try:
-            while True:
+            while not done:
                 for ev in self.engine.step():
                     if ev.request_id == rid:
+                        done = ev.result is not None
                         yield ev
-                        if ev.result is not None:
-                            return
         finally:
-            if self.engine.has_unfinished():
+            if not done:  # the caller stopped early: free the slot (this LLM is the engine's only consumer)
                 self.engine.abort(rid)
-                while self.engine.has_unfinished():
-                    self.engine.step()
+                while not done:
+                    done = any(ev.request_id == rid and ev.result is not None for ev in self.engine.step())
 
     def _run(self, ids: list[list[int]], params: Any, use_tqdm: bool) -> list[GenerationResult]:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(ids)

@@ -160,6 +160,15 @@ def test_bad_input_is_refused_and_loses_nothing(tiny64):
     assert r.finish_reason == "length" and r.num_generated_tokens == 64 - 59
 
 
+def test_draft_with_another_vocabulary_is_refused(tiny64, tmp_path):
+    save_tiny("llama", tmp_path, vocab_size=300, num_hidden_layers=1)
+    ckpt = load_checkpoint(tmp_path, progress=False)
+    other = build_model(ckpt.config, ckpt.state_dict, torch.float64)
+    with pytest.raises(InputError, match="vocabulary"):
+        engine_from_models(tiny64[0], None, other, {"method": "draft_model", "model": "-",
+                                                    "num_speculative_tokens": 2})
+
+
 def test_greedy_acceptance_refuses_sampling(tiny64):
     target, draft = tiny64
     engine = engine_from_models(target, None, draft, {"method": "draft_model", "model": "-",
