@@ -73,7 +73,7 @@ def cold_load(args, quant: str, art: Path) -> dict:
 def teacher_forced(run, cat: Catalog, ids: list[int], cont: list[int], ctx: int) -> int:
     """How many of cont[1:] the decode step predicts after the fp32 prefix (run(key, *inputs) calls a graph;
     the K/V are committed by hand)."""
-    k, v = cat.caches(cat.target, 1)  # zeroed
+    k, v = cat.target.empty_cache(1, cat.plan.slots)  # its own (the catalog's example caches are shared)
     chunk = cat.plan.prefill_chunk
     for start in range(0, len(ids), chunk):
         part = ids[start:start + chunk]

@@ -12,9 +12,6 @@ import pytest
 import torch
 from helpers import save_tiny
 
-onnx = pytest.importorskip("onnx")
-pytest.importorskip("onnxruntime")
-
 from specair.compile.artifacts import MANIFEST, ArtifactError
 from specair.compile.backends import get_backend
 from specair.compile.backends.onnx import WEIGHTS_INDEX, OnnxBackend
@@ -29,6 +26,9 @@ from specair.runtime.build import compile_plan, engine_from_models, open_engine
 from specair.runtime.cli import build_parser
 from specair.runtime.llm import LLM
 from specair.runtime.params import SamplingParams
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
 
 CTX = 64  # one context bucket: every plan here has few graphs
 N_LINEAR = 2 * 4 + 1  # two layers of wqkv, wo, w13, w2, and the LM head
@@ -62,7 +62,7 @@ def _catalog(model, spec=None, draft=None) -> Catalog:
 @pytest.fixture(scope="module")
 def prefill_inputs(model):
     g = torch.Generator().manual_seed(0)
-    k, v = _catalog(model).caches(model, 1)
+    k, v = model.empty_cache(1, _catalog(model).plan.slots)
     k.normal_(generator=g)
     v.normal_(generator=g)
     return torch.randint(0, 256, (1, 16), generator=g), torch.tensor([0]), torch.tensor([16]), k, v
