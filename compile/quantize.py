@@ -6,7 +6,11 @@ of them by the operator onnxruntime's quantization tool emits for it, and nothin
 (Gather) keep the float table, so a tied LM head gets a quantized copy of the table while the lookup reads
 the float one. Each distinct weight is quantized once per process by running the tool on a one-MatMul
 model of W^T; the tool's nodes and packed tensors are then spliced in place of every Gemm that reads W, in
-every graph, under names derived from the weight's (`<weight>_Q4`, `<weight>_scales`, ...).
+every graph, under names derived from the weight's (`<weight>_Q4`, `<weight>_scales`, ...). Draft models,
+layer-skip drafts, EAGLE heads (fc and layer) and MLPSpeculator heads are nn.Linear too and are quantized
+the same way; Medusa's own residual blocks are one batched matmul over stacked [heads, H, H] weights, which
+MatMulNBits (2-D weights only) cannot take, so they stay float (4 heads on SmolLM2: 1.3M weights, under 1%
+of the model; their tied LM head is quantized).
 
 Schemes (`SCHEMES`):
 
