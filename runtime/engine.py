@@ -70,8 +70,9 @@ class Engine:
         self.num_slots, self.max_waiting, self.model_name = self.plan.batch_buckets[-1], max_waiting, model_name
         self.depth = self.tree.depth if self.tree else 0
         self.eos_ids = frozenset(set(target.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ()))
-        if draft is not None and draft.config.vocab_size != target.config.vocab_size:
-            raise InputError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) differs from the "
+        draft_vocab = getattr(getattr(draft, "config", draft), "vocab_size", None)  # heads keep it on themselves
+        if draft is not None and draft_vocab != target.config.vocab_size:
+            raise InputError(f"the draft's vocabulary ({draft_vocab} tokens) differs from the "
                              f"target's ({target.config.vocab_size}); a draft must share the target's tokenizer")
         self.cached_draft = self.method in CACHED_DRAFTS
         self.offset = 1 if self.method == "eagle" else 0  # EAGLE entry p holds token p+1

@@ -567,6 +567,8 @@ def add_serve_parser(subparsers: Any) -> None:
                    help='e.g. \'{"method": "layer_skip", "num_layers": 8, "num_speculative_tokens": 4}\'')
     p.add_argument("--backend", help="compile graphs with this backend as they are first needed (default eager)")
     p.add_argument("--artifacts", metavar="DIR", help="serve from a `specair compile` directory, compiling nothing")
+    p.add_argument("--quantize", choices=("none", "int4", "int8"),
+                   help="onnx backend: weight-only quantization of every linear layer and the LM head")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--max-context", type=int, help="tokens of context per sequence (default: the model's)")
     p.add_argument("--threads", type=int, help="CPU threads for torch and onnxruntime")
@@ -589,6 +591,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     extra = {"backend": args.backend} if args.backend else {}
+    if args.quantize:
+        extra["quantize"] = args.quantize
     llm = LLM(args.model, args.speculative_config, artifacts=args.artifacts, dtype=args.dtype,
               max_context=args.max_context, batch_buckets=args.batch_buckets, threads=args.threads,
               max_waiting=args.max_waiting, **extra)
