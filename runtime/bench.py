@@ -665,6 +665,11 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         e.batches += [BatchRun(1, [s.prompt], s.total_s, s.num_tokens) for s in e.samples] if sweep else []
 
     # Batch sweep: groups of b prompts submitted at once, every configuration on a group before the next.
+    for e in batch_runners:
+        slots = getattr(getattr(runners[e.name], "llm", None), "engine", None)
+        if slots is not None and sweep and slots.num_slots < max(sweep):
+            notes.append(f"{e.name} has {slots.num_slots} sequence slot(s) (its compiled batch buckets): larger "
+                         "batches queue behind them")
     for b in sweep:
         groups = [list(range(i, i + b)) for i in range(0, len(prompts) - b + 1, b)] or \
             [[j % len(prompts) for j in range(b)]]
