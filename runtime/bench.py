@@ -149,9 +149,10 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
     """Expand configuration entries into BenchConfigs, autoregressive baselines first.
 
     An entry is null (autoregressive), a speculative config ({"method": ...}), or an object with any of
-    "speculative_config", "backend", "dtype", "artifacts", "name". Entries without a backend run on every
-    one of `backends`; speculative ones without "acceptance" run with each of `acceptances` (when given).
-    Every (backend, dtype) gets an autoregressive baseline unless an entry already is one.
+    "speculative_config", "backend", "dtype", "quantize" (onnx: int4, int8), "artifacts", "name". Entries
+    without a backend run on every one of `backends`; speculative ones without "acceptance" run with each of
+    `acceptances` (when given). Every (backend, dtype, quantize) gets an autoregressive baseline unless an
+    entry already is one (artifact directories excepted: they are compiled for one proposer).
     """
     from specair.compile.spec_config import HEAD_METHODS, SpeculativeConfig
     from specair.runtime.build import head_defaults
@@ -162,7 +163,7 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
             entry = {"speculative_config": entry}
         if not isinstance(entry, dict):
             raise InputError(f"a configuration must be null, a speculative config or an object, got {entry!r}")
-        unknown = set(entry) - {"speculative_config", "backend", "dtype", "artifacts", "name"}
+        unknown = set(entry) - {"speculative_config", "backend", "dtype", "quantize", "artifacts", "name"}
         if unknown:
             raise InputError(f"unknown configuration key(s) {sorted(unknown)}")
         spec = entry.get("speculative_config")
@@ -173,8 +174,9 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
         if spec is not None:
             SpeculativeConfig.parse(spec)  # refuse a bad config before loading anything
         if entry.get("artifacts"):
-            if set(entry) & {"backend", "dtype"}:
-                raise InputError(f"{entry['artifacts']}: backend and dtype come from the artifacts' manifest")
+            if set(entry) & {"backend", "dtype", "quantize"}:
+                raise InputError(f"{entry['artifacts']}: backend, dtype and quantize come from the artifacts' "
+                                 "manifest")
             out.append(BenchConfig(**_from_artifacts(entry["artifacts"], spec), artifacts=entry["artifacts"],
                                    name=entry.get("name")))
             continue
@@ -185,13 +187,14 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
                 name = entry.get("name")
                 if name and len(specs) > 1:
                     name += f" ({sp['acceptance']})"
-                out.append(BenchConfig(sp, be, entry.get("dtype", dtype), name=name))
+                out.append(BenchConfig(sp, be, entry.get("dtype", dtype), name=name,
+                                       quantize=entry.get("quantize")))
     # Baselines: any autoregressive configuration; one is added per (backend, dtype) that lacks it (not for
     # artifacts: their speculative configurations fall back to the reference when no autoregressive artifact
     # with the same backend and quantization is listed).
     baselines = {c.baseline_key for c in out if c.speculative_config is None}
-    needed = [BenchConfig(None, be, dt) for be, dt, q in dict.fromkeys(c.baseline_key for c in out if not c.artifacts)
-              if (be, dt, q) not in baselines]
+    needed = [BenchConfig(None, be, dt, quantize=q) for be, dt, q in
+              dict.fromkeys(c.baseline_key for c in out if not c.artifacts) if (be, dt, q) not in baselines]
     configs = needed + out
     configs.sort(key=lambda c: c.speculative_config is not None)  # baselines first, order otherwise kept
     names = [c.label for c in configs]
@@ -236,7 +239,8 @@ class SpecairRunner:
         spec = None if config.artifacts else config.speculative_config  # artifacts carry their own
         self.llm = LLM(model, spec, backend=config.backend, artifacts=config.artifacts,
                        dtype=config.dtype, max_context=None if config.artifacts else max_context,
-                       batch_buckets=tuple(batch_buckets), threads=threads, max_waiting=max(64, *batch_buckets))
+                       batch_buckets=tuple(batch_buckets), threads=threads, max_waiting=max(64, *batch_buckets),
+                       quantize=None if config.artifacts else config.quantize)
         self.tokenizer = self.llm.tokenizer
 
     def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams, rnd: int,
@@ -596,7 +600,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         runners[c.label] = make_runner(spec)
         base = c.label if c.speculative_config is None else baseline_of.get(c.baseline_key)
         if base is None:
-            base = baseline_of[("eager", c.dtype, None)] if ("eager", c.dtype, None) in baseline_of else configs[0].label
+            base = baseline_of.get(("eager", c.dtype, None), configs[0].label)
             notes.append(f"{c.label}: no autoregressive configuration with the same backend and quantization "
                          f"was listed; its speedup is over {base}")
         entries.append(Entry(c.label, "specair", base, spec))
@@ -766,7 +770,7 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--num-prompts", type=int, help="use only the first N prompts (the shipped set cycles through "
                    "its six categories, so multiples of 6 keep them balanced)")
     p.add_argument("--configs", metavar="FILE.json", help="a JSON list of configurations: null (autoregressive), a "
-                   'speculative config, or {"speculative_config", "backend", "dtype", "artifacts", "name"}')
+                   'speculative config, or {"speculative_config", "backend", "dtype", "quantize", "artifacts", "name"}')
     p.add_argument("--spec", action="append", default=[], metavar="JSON",
                    help="a speculative config to measure (repeatable; with --configs, added to its list)")
     p.add_argument("--backends", type=_csv(str), default=("eager",),
