@@ -195,8 +195,9 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
     baselines = {c.baseline_key for c in out if c.speculative_config is None}
     needed = [BenchConfig(None, be, dt, quantize=q) for be, dt, q in
               dict.fromkeys(c.baseline_key for c in out if not c.artifacts) if (be, dt, q) not in baselines]
-    configs = needed + out
-    configs.sort(key=lambda c: c.speculative_config is not None)  # baselines first, order otherwise kept
+    configs = out + needed
+    # Baselines first, plain eager fp32 first among them (the reference); the listed order otherwise kept.
+    configs.sort(key=lambda c: (c.speculative_config is not None, c.baseline_key != ("eager", "fp32", None)))
     names = [c.label for c in configs]
     dup = {n for n in names if names.count(n) > 1}
     if dup:

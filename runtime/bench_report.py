@@ -105,13 +105,13 @@ def pooled_decode_tokens_per_s(samples: Sequence[Sample]) -> float:
 def tau(samples: Sequence[Sample]) -> float | None:
     """Mean tokens per target pass, pooled over requests (bonus token included).
 
-    From the speculative stats where present ((accepted + drafts) / drafts), else from counted target
-    passes (tokens after the first / passes); None when neither is known.
+    From the speculative stats where they saw a draft ((accepted + drafts) / drafts), else from counted
+    target passes (tokens after the first / passes); None when neither is known.
     """
     specs = [s.spec for s in samples if s.spec]
-    if specs:
-        drafts = sum(s["num_drafts"] for s in specs)
-        return (sum(s["num_accepted_tokens"] for s in specs) + drafts) / drafts if drafts else None
+    drafts = sum(s["num_drafts"] for s in specs)
+    if drafts:
+        return (sum(s["num_accepted_tokens"] for s in specs) + drafts) / drafts
     known = [s for s in samples if s.target_passes is not None]
     passes = sum(s.target_passes for s in known)
     if not known or passes == 0:

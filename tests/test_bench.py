@@ -57,6 +57,9 @@ def test_metrics_on_hand_made_timings():
     assert tau(sp.samples) == pytest.approx(28 / 8)
     assert acceptance_by_position(sp.samples) == pytest.approx([8 / 8, 7 / 8, 5 / 8])
     assert s["ar"]["tau"] is None and s["ar"]["acceptance_by_position"] is None
+    # A speculative run that never found a draft (n-gram without matches) made one token per pass.
+    no_draft = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": [0, 0]}
+    assert tau([Sample(0, 0, [1, 2, 3, 4, 5], 0.1, 0.5, target_passes=4, spec=no_draft)]) == 1.0
     # Peers: tau from counted target passes, speedup over their own baseline and over specair's.
     assert s["peer pld"]["tau"] == pytest.approx((9 + 19) / (3 + 5))
     assert s["peer"]["tau"] == pytest.approx(1.0)
@@ -91,6 +94,9 @@ def test_parse_configs_expands_and_adds_baselines():
     names = [c.label for c in cfgs]
     # An autoregressive baseline per backend, first; each spec crossed with backends and acceptances.
     assert names[:2] == ["autoregressive", "autoregressive [inductor]"]
+    # The plain eager fp32 baseline leads (it is the reference) even when listed after another.
+    mixed = bench.parse_configs([{"speculative_config": ls, "backend": "onnx", "quantize": "int4"}, None])
+    assert [c.label for c in mixed][:2] == ["autoregressive", "autoregressive [onnx int4]"]
     assert len(cfgs) == 2 + 4
     assert "layer_skip k=2 num_layers=1 acceptance=typical [inductor]" in names
     explicit = bench.parse_configs([None, {"speculative_config": ls, "backend": "eager", "name": "mine"}])
