@@ -343,7 +343,9 @@ class Engine:
         """depth, ancestor mask, children, paths of the static tree, expanded to the batch bucket."""
         if self.B not in self._static:
             b = self.tree.template.buffers()
-            self._static[self.B] = tuple(t.unsqueeze(0).expand(self.B, *t.shape).contiguous()
+            # clone, not contiguous: at B=1 contiguous() returns a view of the template's (possibly
+            # non-inference) buffers, and compiled graphs guard on the tensor kind.
+            self._static[self.B] = tuple(t.unsqueeze(0).expand(self.B, *t.shape).clone()
                                          for t in (b.depth, b.ancestor_mask, b.children, b.paths))
         return self._static[self.B]
 

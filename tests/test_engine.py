@@ -87,7 +87,7 @@ def random_heads(target, spec):
 @pytest.mark.parametrize("name", list(CONFIGS) + list(HEAD_CONFIGS))
 def test_batched_greedy_equals_each_alone(tiny64, alone, name):
     target, other = tiny64
-    spec = CONFIGS.get(name) or HEAD_CONFIGS[name]
+    spec = CONFIGS[name] if name in CONFIGS else HEAD_CONFIGS[name]
     draft = None
     if spec and spec["method"] == "draft_model":
         draft = other
