@@ -114,8 +114,12 @@ def config_name(cfg: BenchConfig) -> str:
     if s is None:
         name = AUTOREGRESSIVE
     else:
-        extra = " ".join(f"{k}={Path(v).name if k == 'model' else v}" for k, v in s.items()
-                         if k not in ("method", "num_speculative_tokens"))
+        def show(k: str, v: Any) -> str:
+            if k == "model":
+                return Path(v).name
+            return f"choices:{len(v)}" if k == "tree" and isinstance(v, list) else str(v)  # Medusa choice lists
+
+        extra = " ".join(f"{k}={show(k, v)}" for k, v in s.items() if k not in ("method", "num_speculative_tokens"))
         name = f"{s['method']} k={s['num_speculative_tokens']}" + (f" {extra}" if extra else "")
     tags = [t for t in (cfg.backend if cfg.backend != "eager" else "", cfg.dtype if cfg.dtype != "fp32" else "",
                         cfg.quantize or "") if t]
