@@ -13,7 +13,7 @@ RECIPES = ("eagle", "medusa", "draft")
 # Per-recipe defaults: batch sizes are sequences for eagle/draft and single positions for medusa.
 DEFAULTS = {
     "eagle": {"epochs": 6.0, "lr": 1e-3, "batch_size": 8, "eval_every": 100, "save_every": 50},
-    "medusa": {"epochs": 3.0, "lr": 1e-3, "batch_size": 512, "eval_every": 200, "save_every": 100},
+    "medusa": {"epochs": 3.0, "lr": 5e-3, "batch_size": 512, "eval_every": 200, "save_every": 100},
     "draft": {"epochs": 1.0, "lr": 1e-4, "batch_size": 4, "eval_every": 100, "save_every": 50},
 }
 

@@ -152,14 +152,18 @@ def generate_answers(records: list[dict], cache: Path, llm: object, max_new_toke
     return [done[r["id"]] for r in records]
 
 
+def _chat_ids(tokenizer, record: dict) -> list[int]:
+    """A prompt record's token ids through the model's chat template (as specair.LLM.encode_chat makes them)."""
+    return tokenizer.encode(tokenizer.apply_chat_template(record["messages"]), add_special_tokens=False)
+
+
 def _check_prompts(records: list[dict], answers: dict[int, dict], tokenizer, cache: Path) -> None:
     """Refuse cached answers whose prompt tokens are not this prompt set's (a changed set or template)."""
     for r in records:
         a = answers.get(r["id"])
         if a is None:
             continue
-        ids = tokenizer.encode(tokenizer.apply_chat_template(r["messages"]), add_special_tokens=False)
-        if ids != a["prompt_ids"]:
+        if _chat_ids(tokenizer, r) != a["prompt_ids"]:
             raise InputError(f"{cache}: the cached answer for prompt id {r['id']} was made for another prompt; "
                              "pass another --cache-dir or delete that directory")
 
@@ -229,8 +233,10 @@ def distill(model: Transformer, fingerprint: str, target_path: str | None, *, ca
             from specair.runtime.llm import LLM
 
             buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < gen_batch) + (gen_batch,)
+            # The context only needs the longest prompt plus the answer: smaller caches, smaller buckets.
+            longest = max(len(_chat_ids(tokenizer, r)) for r in records) if tokenizer is not None else 1024
             return LLM(target_path, batch_buckets=buckets,
-                       max_context=min(model.config.max_position_embeddings, 1024 + max_new_tokens))
+                       max_context=min(model.config.max_position_embeddings, longest + max_new_tokens + 1))
     llm = None
     # A chunk of prompts at a time, answers then hidden states, so an interrupted run keeps a usable prefix.
     done_answers, index = read_answers(cache), _read_index(cache)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specair.models.errors import InputError
 from specair.models.llama import Transformer
 from specair.training.acceptance import AcceptanceCounter, true_token_rank
 from specair.training.data import Batch, collate, length_grouped_batches
@@ -40,7 +41,7 @@ def first_layers_copy(target: Transformer, num_layers: int) -> Transformer:
     """A new Transformer with copies of the target's first `num_layers` layers and final norm; embedding and
     LM head are the target's own modules (frozen, shared)."""
     if not 0 < num_layers <= target.config.num_layers:
-        raise ValueError(f"--num-layers must be in 1..{target.config.num_layers}, got {num_layers}")
+        raise InputError(f"--num-layers must be in 1..{target.config.num_layers}, got {num_layers}")
     with torch.device("meta"):
         draft = Transformer(replace(target.config, num_layers=num_layers), target.dtype)
     draft.tok_embeddings, draft.output = target.tok_embeddings, target.output

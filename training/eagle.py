@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specair.models.eagle import EagleHead, load_eagle, save_eagle
+from specair.models.errors import InputError
 from specair.training.acceptance import AcceptanceCounter, chain_starts, true_token_rank
 from specair.training.data import Batch, collate, length_grouped_batches
 from specair.training.setup import TrainingSetup, cast_safetensors, write_training_json
@@ -109,7 +110,7 @@ class EagleRecipe:
         if settings.init == "identity":
             self._init_identity()
         elif settings.init != "random":
-            raise ValueError(f"unknown EAGLE init {settings.init!r} (identity, random)")
+            raise InputError(f"unknown EAGLE init {settings.init!r} (identity, random)")
         self.head.train()
         self.to_reduced = _full_to_reduced(self.head)
         self.params = {f"fc.{n}": p for n, p in self.head.fc.named_parameters()}
