@@ -139,6 +139,10 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise InputError(f"the chat template rejected these messages: {e}") from None
 
+    def encode_chat(self, messages: list[dict], **kwargs: Any) -> list[int]:
+        """Token ids of a conversation rendered by the chat template (the template writes BOS itself)."""
+        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+
     def save(self, directory: str | Path) -> None:
         """Write `tokenizer.json` and `tokenizer_config.json` in the layout transformers reads."""
         d = Path(directory)

@@ -78,7 +78,7 @@ def encode_prompt(rec: dict[str, Any], tokenizer: Any) -> list[int]:
     if tokenizer is None:
         raise InputError("this checkpoint has no tokenizer; the benchmark needs one to encode its prompts")
     if "messages" in rec:
-        return tokenizer.encode(tokenizer.apply_chat_template(rec["messages"]), add_special_tokens=False)
+        return tokenizer.encode_chat(rec["messages"])
     return tokenizer.encode(rec["prompt"])
 
 

@@ -35,10 +35,9 @@ def read_prompts(args: argparse.Namespace, tokenizer: Any) -> Iterator[list[int]
         records = list(_read_jsonl(args.prompts))
     for rec in records:
         if "messages" in rec:
-            yield tokenizer.encode(tokenizer.apply_chat_template(rec["messages"]), add_special_tokens=False)
+            yield tokenizer.encode_chat(rec["messages"])
         elif args.chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": rec["prompt"]}])
-            yield tokenizer.encode(text, add_special_tokens=False)
+            yield tokenizer.encode_chat([{"role": "user", "content": rec["prompt"]}])
         else:
             yield tokenizer.encode(rec["prompt"])
 
@@ -139,7 +138,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+        ids = tok.encode_chat(messages)
         try:
             res = _stream(engine, ids, params, echo=True)
         except InputError as e:  # e.g. the conversation outgrew the context: say so, keep chatting

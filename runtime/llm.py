@@ -50,7 +50,7 @@ class LLM:
         """Token ids of a conversation through the model's chat template."""
         if self.tokenizer is None:
             raise InputError("this checkpoint has no tokenizer (and no chat template)")
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        return self.tokenizer.encode_chat(messages)
 
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  *, use_tqdm: bool = False) -> list[GenerationResult]:

@@ -306,11 +306,10 @@ class OpenAIServer:
             raise ApiError(400, "this model has no tokenizer, so no chat template; use /v1/completions with "
                                 "token ids", param="messages")
         try:
-            text = self.tokenizer.apply_chat_template([m.as_template_input() for m in req.messages],
-                                                      add_generation_prompt=req.add_generation_prompt)
+            ids = self.tokenizer.encode_chat([m.as_template_input() for m in req.messages],
+                                             add_generation_prompt=req.add_generation_prompt)
         except InputError as e:
             raise ApiError(400, str(e), param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise ApiError(400, "the chat template rendered these messages as an empty prompt", param="messages")
         return ids

@@ -38,7 +38,7 @@ def hf_gguf(default_gguf):
 
 
 def chat_ids(tok, text):
-    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+    return tok.encode_chat([{"role": "user", "content": text}])
 
 
 def test_logits_close_to_transformers_gguf(ours, hf_gguf):

@@ -152,18 +152,13 @@ def generate_answers(records: list[dict], cache: Path, llm: object, max_new_toke
     return [done[r["id"]] for r in records]
 
 
-def _chat_ids(tokenizer, record: dict) -> list[int]:
-    """A prompt record's token ids through the model's chat template (as specair.LLM.encode_chat makes them)."""
-    return tokenizer.encode(tokenizer.apply_chat_template(record["messages"]), add_special_tokens=False)
-
-
 def _check_prompts(records: list[dict], answers: dict[int, dict], tokenizer, cache: Path) -> None:
     """Refuse cached answers whose prompt tokens are not this prompt set's (a changed set or template)."""
     for r in records:
         a = answers.get(r["id"])
         if a is None:
             continue
-        if _chat_ids(tokenizer, r) != a["prompt_ids"]:
+        if tokenizer.encode_chat(r["messages"]) != a["prompt_ids"]:
             raise InputError(f"{cache}: the cached answer for prompt id {r['id']} was made for another prompt; "
                              "pass another --cache-dir or delete that directory")
 
@@ -234,7 +229,7 @@ def distill(model: Transformer, fingerprint: str, target_path: str | None, *, ca
 
             buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < gen_batch) + (gen_batch,)
             # The context only needs the longest prompt plus the answer: smaller caches, smaller buckets.
-            longest = max(len(_chat_ids(tokenizer, r)) for r in records) if tokenizer is not None else 1024
+            longest = max(len(tokenizer.encode_chat(r["messages"])) for r in records) if tokenizer is not None else 1024
             return LLM(target_path, batch_buckets=buckets,
                        max_context=min(model.config.max_position_embeddings, longest + max_new_tokens + 1))
     llm = None
