@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="onnx: embed the weights in every file (for Ascend ATC) instead of one shared weights file")
     c.set_defaults(func=cmd_compile)
 
-    from specair.runtime.bench import add_bench_parser
+    from specair.benchmarks.run import add_bench_parser
     from specair.runtime.server import add_serve_parser
 
     from specair.training.cli import add_train_parser

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from specair.benchmarks import run as bench
+from specair.benchmarks.report import (Entry, Sample, acceptance_by_position, agreement, markdown_table,
+                                       plot_all, speedups, summarize, tau)
 from specair.models.errors import InputError
-from specair.runtime import bench
-from specair.runtime.bench_report import (Entry, Sample, acceptance_by_position, agreement, markdown_table,
-                                          plot_all, speedups, summarize, tau)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -63,7 +63,7 @@ class Entry:
     name: str
     engine: str  # "specair", "transformers" or "llama.cpp"
     baseline: str  # the entry whose per-prompt speed this one's speedup is measured against
-    runner: dict[str, Any]  # how to rebuild it (bench.make_runner input)
+    runner: dict[str, Any]  # how to rebuild it (run.make_runner input)
     samples: list[Sample] = field(default_factory=list)
     batches: list[BatchRun] = field(default_factory=list)
     peak_rss_bytes: int | None = None

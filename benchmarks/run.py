@@ -6,7 +6,7 @@ weights, measured in one process, interleaved prompt by prompt after a warm-up.
                   [--out DIR]
 
 Writes results.json (every raw sample and the environment), results.md (the table) and PNG plots into
---out. See bench_report for the metrics and bench_peers for the peers.
+--out. See benchmarks.report for the metrics and benchmarks.peers for the peers.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from specair.benchmarks.peers import (LLAMACPP_PEERS, PEERS, TRANSFORMERS_PEERS, LlamaCppPeer, PeerUnavailable,
+                                      TransformersPeer, peer_baseline)
+from specair.benchmarks.report import (BatchRun, Entry, Sample, markdown_report, markdown_table, plot_all,
+                                       summarize, write_json)
 from specair.models.errors import InputError
-from specair.runtime.bench_peers import (LLAMACPP_PEERS, PEERS, TRANSFORMERS_PEERS, LlamaCppPeer, PeerUnavailable,
-                                         TransformersPeer, peer_baseline)
-from specair.runtime.bench_report import (BatchRun, Entry, Sample, markdown_report, markdown_table, plot_all,
-                                          summarize, write_json)
 from specair.runtime.params import SamplingParams
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PROMPTS = PACKAGE_ROOT / "benchmarks" / "prompts.jsonl"
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"  # package data, also in a wheel install
 AUTOREGRESSIVE = "autoregressive"
 
 # Used when neither --configs nor --spec is given: prompt lookup (needs no trained weights), and for the
@@ -403,7 +403,7 @@ def probe_peak_rss(runner_spec: dict[str, Any] | None, prompt: Sequence[int], pa
     """Peak RSS of a fresh process that builds this runner alone and generates for the prompt (None for a
     bare process that only imports what the harness imports); None when the probe fails."""
     job = {"runner": runner_spec, "prompt": list(prompt), "params": asdict(params), "threads": threads}
-    code = "from specair.runtime.bench import _probe_main; _probe_main()"
+    code = "from specair.benchmarks.run import _probe_main; _probe_main()"
     try:
         proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(job), capture_output=True, text=True,
                               timeout=1800, check=False)

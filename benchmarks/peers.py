@@ -15,8 +15,8 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
+from specair.benchmarks.report import Sample
 from specair.models.errors import SpecairError
-from specair.runtime.bench_report import Sample
 from specair.runtime.params import SamplingParams
 
 TRANSFORMERS_PEERS = ("hf", "hf-prompt-lookup", "hf-assisted")
