@@ -16,14 +16,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from torch import Tensor
 from tqdm import tqdm
 
 from specair import __version__
 from specair.compile.backends.base import Backend, CompiledGraph
 from specair.compile.catalog import Catalog
+from specair.compile.graph_def import GraphKey
 from specair.compile.plan import Plan
-from specair.models.errors import ModelFormatError, SpecairError
+from specair.models.errors import InputError, ModelFormatError, SpecairError
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -54,19 +56,51 @@ def _quantization_name(q: Any) -> str:
 
 
 class GraphSet:
-    """Compiled graphs by key. Without artifacts (`lazy`), a missing graph is compiled on first use with
-    a visible note; from an artifact directory, a key outside the plan is an error, never a compile."""
+    """Compiled graphs by `GraphKey`, called with named inputs and returning named outputs. Without
+    artifacts (`lazy`), a missing graph is compiled on first use with a visible note; from an artifact
+    directory, a key outside the plan is an error, never a compile.
+
+    Static-buffer backends (CUDA graphs, aclgraph) capture against the tensors the runtime binds with
+    `bind` (its KV caches) before the first graph is built, so no call copies a cache.
+    """
 
     def __init__(self, catalog: Catalog, backend: Backend, art_dir: Path | None, lazy: bool,
                  note: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)) -> None:
         self.catalog, self.backend, self.art_dir, self.lazy, self.note = catalog, backend, art_dir, lazy, note
-        self.fns: dict[str, CompiledGraph] = {}
+        self.fns: dict[GraphKey, CompiledGraph] = {}
+        self._pending: list[GraphKey] = []  # artifacts checked but not loaded yet (see `prepare`)
+        self.timings: dict[str, list[float]] | None = None  # kind -> [seconds, calls] while profiling
 
     @property
     def plan(self) -> Plan:
         return self.catalog.plan
 
-    def __call__(self, key: str, *inputs: Tensor) -> tuple[Tensor, ...]:
+    @property
+    def device(self) -> torch.device:
+        return self.catalog.device
+
+    @property
+    def static_buffers(self) -> bool:
+        """Whether the backend captures graphs on bound buffers (and so wants persistent caches)."""
+        return hasattr(self.backend, "bind_static")
+
+    def bind(self, name: str, tensor: Tensor, role: str, key: GraphKey | None = None) -> None:
+        """Hand a persistent tensor (a KV cache) to a static-buffer backend for every graph input `name`
+        of the graphs that read the model of `role` (of graph `key` only, if given); a no-op elsewhere."""
+        if self.static_buffers:
+            self.backend.bind_static(name, tensor, model=role, graph_key=None if key is None else key.name)
+
+    def prepare(self) -> None:
+        """Load the artifacts that `load_artifacts` checked (after the runtime bound its buffers)."""
+        for key in self._pending:
+            try:
+                self.fns[key] = self.backend.load(self.catalog.graph(key), self.art_dir)
+            except (OSError, RuntimeError, ValueError, ModelFormatError) as e:
+                raise ArtifactError(f"artifact {key} in {self.art_dir} cannot be loaded ({type(e).__name__}: "
+                                    f"{str(e)[:200]}); recompile with: {self._hint}") from None
+        self._pending = []
+
+    def __call__(self, key: GraphKey, **inputs: Tensor) -> dict[str, Tensor]:
         fn = self.fns.get(key)
         if fn is None:
             if not self.lazy:
@@ -76,7 +110,21 @@ class GraphSet:
                 self.note(f"specair: compiling {key} with {self.backend.name} (use `specair compile` to do this "
                           f"ahead of time)")
             fn = self.fns[key] = self.backend.compile(self.catalog.graph(key), self._scratch())
-        return fn(*inputs)
+        graph = self.catalog.graph(key)
+        if inputs.keys() != set(graph.input_names):
+            missing = [n for n in graph.input_names if n not in inputs]
+            extra = sorted(set(inputs) - set(graph.input_names))
+            raise InputError(f"graph {key} takes inputs {list(graph.input_names)}; missing {missing}, "
+                             f"unexpected {extra}")
+        t = time.perf_counter() if self.timings is not None else 0.0
+        out = fn(*(inputs[n] for n in graph.input_names))
+        if self.timings is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            acc = self.timings.setdefault(key.kind, [0.0, 0])
+            acc[0] += time.perf_counter() - t
+            acc[1] += 1
+        return dict(zip(graph.output_names, out))
 
     def _scratch(self) -> Path:
         """Where graphs compiled on first use keep their files: removed with this GraphSet."""
@@ -101,12 +149,12 @@ def compile_artifacts(catalog: Catalog, backend: Backend, out_dir: Path, fingerp
     for key in tqdm(keys, desc=f"compiling ({backend.name})", file=sys.stderr, disable=not progress):
         t = time.perf_counter()
         graphs.fns[key] = backend.compile(catalog.graph(key), out_dir)
-        times[key] = round(time.perf_counter() - t, 3)
+        times[key.name] = round(time.perf_counter() - t, 3)
     backend.end(out_dir)
     manifest = {
         "format": FORMAT, "backend": backend.name, "device": backend.device, "versions": versions(backend),
         "quantization": quantization(backend), "fingerprints": fingerprints, "plan": catalog.plan.to_json(),
-        "graphs": keys, "compile_seconds": times,
+        "graphs": [k.name for k in keys], "compile_seconds": times,
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return graphs
@@ -133,7 +181,8 @@ def read_manifest(art_dir: Path) -> dict[str, Any]:
 
 def load_artifacts(catalog: Catalog, backend: Backend, art_dir: Path, manifest: dict[str, Any],
                    fingerprints: dict[str, Any], recompile_hint: str) -> GraphSet:
-    """Load every compiled graph of a checked manifest, without tracing or compiling."""
+    """The compiled graphs of a checked manifest, loaded (without tracing or compiling) by
+    `GraphSet.prepare` once the runtime has bound its persistent buffers."""
     problems = []
     if manifest["backend"] != backend.name:
         problems.append(f"they were compiled for backend {manifest['backend']!r}, not {backend.name!r}")
@@ -153,12 +202,12 @@ def load_artifacts(catalog: Catalog, backend: Backend, art_dir: Path, manifest: 
     if problems:
         raise ArtifactError(f"cannot use the artifacts in {art_dir}: " + "; ".join(problems) +
                             f". Recompile with: {recompile_hint}")
+    keys = catalog.keys()
+    if [k.name for k in keys] != list(manifest["graphs"]):
+        missing = sorted(set(k.name for k in keys) - set(manifest["graphs"]))
+        raise ArtifactError(f"the artifacts in {art_dir} do not hold this plan's graphs (missing {missing[:4]}"
+                            f"{' …' if len(missing) > 4 else ''}); recompile with: {recompile_hint}")
     backend.begin(art_dir, loading=True)
     graphs = GraphSet(catalog, backend, art_dir, lazy=False)
-    for key in manifest["graphs"]:
-        try:
-            graphs.fns[key] = backend.load(catalog.graph(key), art_dir)
-        except (OSError, RuntimeError, ValueError, ModelFormatError) as e:
-            raise ArtifactError(f"artifact {key} in {art_dir} cannot be loaded ({type(e).__name__}: "
-                                f"{str(e)[:200]}); recompile with: {recompile_hint}") from None
+    graphs._pending, graphs._hint = keys, recompile_hint
     return graphs

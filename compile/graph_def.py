@@ -4,23 +4,55 @@ example inputs that fix every shape. Backends never learn what the graph compute
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 
+@dataclass(frozen=True)
+class GraphKey:
+    """Which graph at which bucket: what the runtime dispatches on and artifacts are named by.
+
+    `kind` names the computation ("prefill", "decode", "verify", or a proposer's own kinds); `batch` and
+    `ctx` are the batch and context buckets (ctx 0: the graph reads no cache); `method` the acceptance
+    method of a verify graph; `variant` the sampling variant.
+    """
+
+    kind: str
+    batch: int
+    ctx: int = 0
+    method: str = ""
+    variant: str = ""
+
+    @property
+    def name(self) -> str:
+        """Unique and filesystem-safe, e.g. `verify.b1.c128.rejection.filtered`."""
+        parts = [self.kind, f"b{self.batch}"] + ([f"c{self.ctx}"] if self.ctx else [])
+        return ".".join(parts + [p for p in (self.method, self.variant) if p])
+
+    def __str__(self) -> str:
+        return self.name
+
+
 class GraphModule(nn.Module):
     """Wraps a pure graph function with its static arguments bound. The wrapped models are submodules,
-    so every graph shares the same parameter tensors and names (`target.*`, `draft.*`)."""
+    so every graph shares the same parameter tensors and names (`target.*`, `draft.*`). With
+    `input_names`, inputs reach the function as keyword arguments of those names (optional inputs stay
+    optional); without, positionally."""
 
-    def __init__(self, fn: Callable[..., Any], models: dict[str, nn.Module], static: dict[str, Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], models: dict[str, nn.Module], static: dict[str, Any],
+                 input_names: Sequence[str] | None = None) -> None:
         super().__init__()
         self.fn, self.static = fn, static
+        self.input_names = tuple(input_names) if input_names is not None else None
         self.models = nn.ModuleDict(models)
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        out = self.fn(*self.models.values(), *inputs, **self.static)
+        if self.input_names is None:
+            out = self.fn(*self.models.values(), *inputs, **self.static)
+        else:
+            out = self.fn(*self.models.values(), **dict(zip(self.input_names, inputs)), **self.static)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
@@ -28,7 +60,7 @@ class GraphModule(nn.Module):
 class GraphDef:
     """One graph at one bucket: what every backend compiles, saves and loads."""
 
-    key: str  # unique and filesystem-safe, e.g. "verify.b1.c128"
+    key: str  # unique and filesystem-safe, e.g. "verify.b1.c128" (GraphKey.name for the catalogue's graphs)
     module: GraphModule
     example_inputs: tuple[Tensor, ...]
     input_names: tuple[str, ...]

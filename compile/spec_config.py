@@ -1,4 +1,7 @@
-"""`--speculative-config`: vLLM's key names, validated up front with messages that say what is accepted."""
+"""`--speculative-config`: vLLM's key names, validated up front with messages that say what is accepted.
+
+The checks here are the ones every method shares; each proposer (runtime/proposers) adds its own and
+owns the list of method names."""
 
 from __future__ import annotations
 
@@ -9,9 +12,6 @@ from typing import Any
 from specair.graphs.tree import TreeTemplate, get_template
 from specair.models.errors import InputError
 
-METHODS = ("draft_model", "layer_skip", "ngram", "medusa", "eagle", "mlp_speculator")
-HEAD_METHODS = ("medusa", "eagle", "mlp_speculator")  # heads on the target's hidden state; shipped for the default model
-CACHED_DRAFTS = ("draft_model", "layer_skip", "eagle")  # proposers with a KV cache of their own
 ACCEPTANCE = ("rejection", "greedy", "typical")
 SCORERS = ("tree", "batch_expansion")
 
@@ -22,20 +22,21 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    model: str | None = None  # draft_model: the draft checkpoint; medusa/eagle/mlp_speculator: the heads
-    num_layers: int | None = None  # layer_skip: target layers the draft keeps
+    model: str | None = None  # the draft checkpoint, or a head's
+    num_layers: int | None = None  # target layers a layer-skip draft keeps
     tree: Any = None  # None/"chain", "kary:DxW", "mc_sim_7b_63", "topk:KxN", or a Medusa choice list
     acceptance: str = "rejection"  # exact; reduces to greedy matching at temperature 0
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
     scorer: str = "tree"
     disable_by_batch_size: int | None = None  # plain decode steps while more sequences than this are running
-    prompt_lookup_min: int | None = None  # ngram: shortest suffix to match (default 1)
-    prompt_lookup_max: int | None = None  # ngram: longest suffix to match (default 4)
+    prompt_lookup_min: int | None = None  # prompt lookup: shortest suffix to match
+    prompt_lookup_max: int | None = None  # prompt lookup: longest suffix to match
 
     @classmethod
     def parse(cls, spec: str | dict[str, Any]) -> "SpeculativeConfig":
-        """Parse a JSON string or dict; raise InputError naming any unknown key or bad value."""
+        """Parse a JSON string or dict with the checks every method shares; raise InputError naming any
+        unknown key or bad value (`runtime.proposers.parse_config` adds the method's own checks)."""
         if isinstance(spec, str):
             try:
                 spec = json.loads(spec)
@@ -47,15 +48,11 @@ class SpeculativeConfig:
         unknown = sorted(set(spec) - known)
         if unknown:
             raise InputError(f"unknown speculative-config key(s) {unknown}; known: {sorted(known)}")
-        if spec.get("method") not in METHODS:
-            raise InputError(f"speculative-config 'method' must be one of {METHODS}, got {spec.get('method')!r}")
+        if not isinstance(spec.get("method"), str) or not spec["method"]:
+            raise InputError(f"speculative-config 'method' must name a proposer, got {spec.get('method')!r}")
         k = spec.get("num_speculative_tokens")
         if not isinstance(k, int) or not 1 <= k <= 16:
             raise InputError(f"'num_speculative_tokens' must be an integer in 1..16, got {k!r}")
-        if spec["method"] == "draft_model" and not isinstance(spec.get("model"), str):
-            raise InputError("method 'draft_model' needs 'model': the path of a draft checkpoint")
-        if spec["method"] == "layer_skip" and not (isinstance(spec.get("num_layers"), int) and spec["num_layers"] > 0):
-            raise InputError("method 'layer_skip' needs 'num_layers': how many target layers the draft keeps")
         if spec.get("acceptance", "rejection") not in ACCEPTANCE:
             raise InputError(f"'acceptance' must be one of {ACCEPTANCE}, got {spec.get('acceptance')!r}")
         if spec.get("scorer", "tree") not in SCORERS:
@@ -63,24 +60,10 @@ class SpeculativeConfig:
         for key in ("disable_by_batch_size", "prompt_lookup_min", "prompt_lookup_max"):
             if spec.get(key) is not None and not (isinstance(spec[key], int) and spec[key] >= 1):
                 raise InputError(f"'{key}' must be a positive integer, got {spec[key]!r}")
-        if spec["method"] == "ngram":
-            lo, hi = spec.get("prompt_lookup_min") or 1, spec.get("prompt_lookup_max") or 4
-            if lo > hi:
-                raise InputError(f"'prompt_lookup_min' ({lo}) exceeds 'prompt_lookup_max' ({hi})")
-            spec = {**spec, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
-            if spec.get("tree") not in (None, "chain"):
-                raise InputError("method 'ngram' proposes a chain; drop 'tree'")
-        elif spec.get("prompt_lookup_min") is not None or spec.get("prompt_lookup_max") is not None:
-            raise InputError("'prompt_lookup_min'/'prompt_lookup_max' apply to method 'ngram' only")
-        if spec["method"] == "mlp_speculator" and spec.get("tree") not in (None, "chain"):
-            raise InputError("method 'mlp_speculator' proposes a chain; drop 'tree'")
         for key in ("posterior_threshold", "posterior_alpha"):
             if key in spec and not (isinstance(spec[key], (int, float)) and spec[key] > 0):
                 raise InputError(f"'{key}' must be a positive number")
         config = cls(**spec)
-        if config.method == "medusa" and tree_shape(config).kind == "topk":
-            raise InputError("Medusa heads do not condition on the parent token: use a static tree "
-                             "(a choice list, 'kary:DxW' or 'mc_sim_7b_63'), not 'topk:KxN'")
         tree_shape(config)  # validate the tree now, not at the first step
         return config
 

@@ -101,7 +101,7 @@ def accept_typical(
 def accept_rejection(
     tree_tokens: Tensor,
     target_logits: Tensor,
-    draft_probs: Tensor,
+    draft_probs: Tensor | None,
     children: Tensor,
     uniforms: Tensor,
     temperature: Tensor,
@@ -116,7 +116,8 @@ def accept_rejection(
 
     draft_probs [B, T, V]: q_i, the distribution node i's token was proposed from (for a sampled node,
     the draft's distribution at its parent; for a deterministically chosen top-k candidate, one-hot of
-    its token). The output follows the target distribution p (request_probs: temperature, top-k, top-p;
+    its token; pass None when every node was chosen deterministically: the one-hot q is then implied by
+    the tokens, never materialised). The output follows the target distribution p (request_probs: temperature, top-k, top-p;
     one-hot argmax at temperature 0, where this reduces to greedy) exactly, provided each sibling is
     drawn from its q_i independently of earlier siblings (i.i.d. samples, or fixed candidates with
     one-hot q). Testing siblings independently against the unmodified p would be biased.
@@ -139,7 +140,7 @@ def accept_rejection(
     D = T - 1 if max_depth is None else max_depth
     p = request_probs(target_logits, temperature, top_k, top_p, filtered)
     dt = p.dtype
-    q_all = draft_probs.to(dt)
+    q_all = None if draft_probs is None else draft_probs.to(dt)
     u_all = uniforms.to(dt)
     tok = tree_tokens.clamp(0, V - 1)
     ids = torch.arange(T, device=p.device)
@@ -164,13 +165,18 @@ def accept_rejection(
             valid = alive & ~moved & (child >= 0)
             c = child.clamp(min=0)
             x = tok.gather(1, c[:, None])
-            q = row(q_all, c)
-            qx, px = q.gather(1, x).squeeze(1), p_cur.gather(1, x).squeeze(1)
-            # q(x) == 0 means x could not have been proposed; accept it iff the target allows it.
-            a = torch.where(qx > 0, (px / qx.clamp(min=torch.finfo(dt).tiny)).clamp(max=1), (px > 0).to(dt))
+            px = p_cur.gather(1, x).squeeze(1)
+            if q_all is None:  # q = one-hot(x): accept with p(x); the residual is p_cur without x
+                a = px.clamp(max=1)
+                resid = p_cur.scatter(1, x, 0.0)
+            else:
+                q = row(q_all, c)
+                qx = q.gather(1, x).squeeze(1)
+                # q(x) == 0 means x could not have been proposed; accept it iff the target allows it.
+                a = torch.where(qx > 0, (px / qx.clamp(min=torch.finfo(dt).tiny)).clamp(max=1), (px > 0).to(dt))
+                resid = (p_cur - q).clamp(min=0)
             acc = valid & (u_all.gather(1, c[:, None]).squeeze(1) < a)
             accept_prob = torch.where((ids == c[:, None]) & valid[:, None], a[:, None], accept_prob)
-            resid = (p_cur - q).clamp(min=0)
             mass = resid.sum(-1, keepdim=True)
             rejected = (valid & ~acc)[:, None] & (mass > tiny)
             p_cur = torch.where(rejected, resid / mass.clamp(min=tiny), p_cur)

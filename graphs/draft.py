@@ -7,9 +7,10 @@ steps attend to through a tree mask, and writes nothing: it returns the catch-up
 caller to commit, and drafted nodes' K/V are simply dropped (accepted ones come back in the next
 catch-up), so rejected branches never reach the cache.
 
-Every loop returns the tree tokens [B, T] (node 0 = root) and draft_probs [B, T, V]: for node i the
-distribution its token was proposed from (what exact rejection sampling divides by). Top-k candidates
-are chosen deterministically, so their proposal is one-hot on the token itself.
+Every loop returns the tree tokens [B, T] (node 0 = root). A sampled chain also returns draft_probs
+[B, T, V]: for node i the distribution its token was proposed from (what exact rejection sampling
+divides by). Tree candidates are chosen deterministically, so their proposal is one-hot on the token
+itself and no distribution is returned: acceptance reads it off the tokens.
 
 An EAGLE head drafts through the same loops when given `catch_hidden` [B, W, H], the target hidden
 state paired with each catch-up token (entry p of the head's cache holds token x_{p+1} with target
@@ -21,7 +22,6 @@ output at the last real catch-up entry (the root).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from specair.graphs.sampling import request_probs, sample_from_probs
@@ -103,13 +103,12 @@ def draft_chain(draft: Draft, catch_tokens: Tensor, n_catch: Tensor, draft_len: 
 def draft_static_tree(draft: Draft, catch_tokens: Tensor, n_catch: Tensor, draft_len: Tensor,
                       k_cache: Tensor, v_cache: Tensor, template: TreeTemplate, ctx: int,
                       buffers: TreeBuffers | None = None, *,
-                      catch_hidden: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                      catch_hidden: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Fill a static tree template level by level: node i is the ranks[i]-th most likely token of the
     draft at its parent. One draft pass per level (the last level is never fed).
 
     `buffers`: the template's buffers on the graph's device (default: on the CPU); catch_hidden
-    [B, W, H] for an EAGLE head. Returns tree tokens [B, T], one-hot draft_probs [B, T, V] and the
-    catch-up's K/V.
+    [B, W, H] for an EAGLE head. Returns tree tokens [B, T] and the catch-up's K/V.
     """
     s = _Step(draft, catch_tokens, n_catch, draft_len, k_cache, v_cache, ctx, catch_hidden)
     B, V = s.logits.shape
@@ -137,22 +136,22 @@ def draft_static_tree(draft: Draft, catch_tokens: Tensor, n_catch: Tensor, draft
             node_logits[:, nodes] = out
             if node_hidden is not None:
                 node_hidden[:, nodes] = hidden
-    return tokens, F.one_hot(tokens, V).to(s.logits.dtype), s.catch_k, s.catch_v
+    return tokens, s.catch_k, s.catch_v
 
 
 def draft_topk_tree(draft: Draft, catch_tokens: Tensor, n_catch: Tensor, draft_len: Tensor,
                     k_cache: Tensor, v_cache: Tensor, depth: int, topk: int, num_nodes: int,
-                    ctx: int, *, catch_hidden: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    ctx: int, *, catch_hidden: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A per-row dynamic tree (SpecInfer / EAGLE-2): expand the best `topk` frontier nodes by cumulative
     log-probability for `depth` levels, then keep the global best `num_nodes` candidates.
 
     Candidates get ids in creation order, so a parent's id is below its children's; a child's score
     never exceeds its parent's, and a stable sort breaks ties towards lower ids, so the kept set is
     closed under parents. catch_hidden [B, W, H] for an EAGLE head. Returns tree tokens [B, N+1],
-    parents [B, N+1] (-1 at the root), one-hot draft_probs [B, N+1, V] and the catch-up's K/V.
+    parents [B, N+1] (-1 at the root) and the catch-up's K/V.
     """
     s = _Step(draft, catch_tokens, n_catch, draft_len, k_cache, v_cache, ctx, catch_hidden)
-    B, V = s.logits.shape
+    B = s.logits.shape[0]
     K = topk
     M = 1 + K + (depth - 1) * K * K  # root + every candidate ever created
     dev = s.logits.device
@@ -194,4 +193,4 @@ def draft_topk_tree(draft: Draft, catch_tokens: Tensor, n_catch: Tensor, draft_l
     parent_ids = all_parent.gather(1, keep)
     parents = torch.where(parent_ids < 0, parent_ids, new_index.gather(1, parent_ids.clamp(min=0)).long())
     tokens = all_tok.gather(1, keep)
-    return tokens, parents, F.one_hot(tokens, V).to(s.logits.dtype), s.catch_k, s.catch_v
+    return tokens, parents, s.catch_k, s.catch_v

@@ -2,13 +2,13 @@
 
 Both run after the target has produced the root (the bonus token) and the hidden state at the position
 that produced it; neither keeps a cache. Like the draft loops (`graphs.draft`), each returns the tree
-tokens [B, T] (node 0 = root) and draft_probs [B, T, V], the distribution each node was proposed from.
+tokens [B, T] (node 0 = root); the sampled MLPSpeculator chain also returns draft_probs [B, T, V], the
+distribution each node was proposed from (Medusa's candidates are deterministic: one-hot, never built).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from specair.graphs.sampling import request_probs, sample_from_probs
@@ -18,12 +18,12 @@ from specair.models.mlp_speculator import MLPSpeculator
 
 
 def medusa_tree(heads: MedusaHeads, hidden: Tensor, root: Tensor, template: TreeTemplate,
-                buffers: TreeBuffers | None = None) -> tuple[Tensor, Tensor]:
+                buffers: TreeBuffers | None = None) -> Tensor:
     """Fill a static tree from Medusa heads (Medusa's tree_choices semantics): a node at depth d >= 1 with
     rank r is the r-th most likely token of head d-1 at the root's hidden state, whatever its parent.
 
     hidden [B, H]: the target's hidden state that produced root [B]; `buffers`: the template's buffers on
-    the graph's device (default: on the CPU). Returns tree tokens [B, T] and one-hot draft_probs [B, T, V].
+    the graph's device (default: on the CPU). Returns tree tokens [B, T].
     """
     depth = template.max_depth
     if depth > heads.num_heads:
@@ -33,8 +33,7 @@ def medusa_tree(heads: MedusaHeads, hidden: Tensor, root: Tensor, template: Tree
     logits = heads.logits(heads.features(hidden)[:, :depth])  # [B, depth, V]: only the heads the tree uses
     cand = logits.topk(width, dim=-1).indices.flatten(1)  # [B, depth * width]
     pick = (buf.depth[1:] - 1) * width + buf.ranks[1:]  # node i -> (head depth_i - 1, rank_i)
-    tokens = torch.cat([root.unsqueeze(1), cand[:, pick]], dim=1)
-    return tokens, F.one_hot(tokens, logits.shape[-1]).to(logits.dtype)
+    return torch.cat([root.unsqueeze(1), cand[:, pick]], dim=1)
 
 
 def mlp_speculator_chain(spec: MLPSpeculator, hidden: Tensor, root: Tensor, k: int, temperature: Tensor,

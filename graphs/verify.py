@@ -1,5 +1,6 @@
 """Tree verify: the target scores every node of a token tree in one pass (SpecInfer; vLLM's
-multi-query scorer generalised to trees), and the batch-expansion alternative (one row per path).
+multi-query scorer generalised to trees), the batch-expansion alternative (one row per path), and the
+verify→accept graph that the runtime dispatches: scoring and acceptance fused, so logits stay inside.
 """
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from specair.graphs.acceptance import accept_greedy, accept_rejection, accept_typical
+from specair.graphs.tree import TreeBuffers, buffers_from_parents
 from specair.models.llama import ModelOutput, Transformer
 
 
@@ -58,3 +61,46 @@ def expanded_verify(model: Transformer, tree_tokens: Tensor, leaf_path: Tensor, 
         out.new_k.view(L, B, P, H, W, D).permute(0, 1, 3, 2, 4, 5).reshape(L, B, H, P * W, D)[:, :, :, flat],
         out.new_v.view(L, B, P, H, W, D).permute(0, 1, 3, 2, 4, 5).reshape(L, B, H, P * W, D)[:, :, :, flat],
     )
+
+
+def verify_and_accept(target: Transformer, tree_tokens: Tensor, root_pos: Tensor, k_cache: Tensor,
+                      v_cache: Tensor, parents: Tensor | None = None, draft_probs: Tensor | None = None,
+                      uniforms: Tensor | None = None, temperature: Tensor | None = None, top_k: Tensor | None = None,
+                      top_p: Tensor | None = None, *, ctx: int, acceptance: str, max_depth: int, max_width: int,
+                      tree: TreeBuffers | None = None, expansion: tuple[Tensor, Tensor, Tensor] | None = None,
+                      filtered: bool = True, posterior_threshold: float = 0.09,
+                      posterior_alpha: float = 0.3) -> tuple[Tensor, ...]:
+    """Score a token tree and accept from it in one graph, so the target's logits never leave it.
+
+    tree_tokens [B, T] (node 0 = root); root_pos [B]; a static tree's buffers come as `tree` (on the
+    graph's device), a per-row tree as `parents` [B, T]; `expansion` (static trees only) scores one
+    causal row per leaf path instead of the tree mask. `acceptance` (static) is "greedy", "typical" or
+    "rejection": rejection needs uniforms [B, T+1] and the sampling tensors [B], and `draft_probs`
+    [B, T, V] only for sampled proposals (None: every node was chosen deterministically).
+
+    Returns num_accepted [B], tokens [B, D+1] (accepted, then the bonus; -1 after), node_ids [B, D+1],
+    and the accepted path's hidden states [B, D+1, H] and K/V [L, B, Hkv, D+1, Dh] for slots root_pos + 0..D.
+    """
+    B, T = tree_tokens.shape
+    if parents is not None:
+        depth, mask, children, paths = buffers_from_parents(parents, max_depth, max_width)
+    else:
+        depth, mask = tree.depth, tree.ancestor_mask.unsqueeze(0)
+        children, paths = tree.children.expand(B, *tree.children.shape), tree.paths.expand(B, *tree.paths.shape)
+    if expansion is not None:
+        out = expanded_verify(target, tree_tokens, *expansion, root_pos, k_cache, v_cache, ctx)
+    else:
+        out = tree_verify(target, tree_tokens, depth, mask, root_pos, k_cache, v_cache, ctx)
+    if acceptance == "greedy":
+        res = accept_greedy(tree_tokens, out.logits, paths)
+    elif acceptance == "typical":
+        res = accept_typical(tree_tokens, out.logits, paths, temperature, top_k, top_p, posterior_threshold,
+                             posterior_alpha, filtered)
+    else:
+        res = accept_rejection(tree_tokens, out.logits, draft_probs, children, uniforms, temperature, top_k, top_p,
+                               max_depth=max_depth, filtered=filtered)
+    nodes = res.node_ids.clamp(min=0)
+    hidden = out.hidden.gather(1, nodes.unsqueeze(-1).expand(-1, -1, out.hidden.shape[-1]))
+    L, _, H, _, D = out.new_k.shape
+    index = nodes.view(1, B, 1, -1, 1).expand(L, B, H, nodes.shape[1], D)
+    return res.num_accepted, res.tokens, res.node_ids, hidden, out.new_k.gather(3, index), out.new_v.gather(3, index)

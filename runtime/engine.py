@@ -1,511 +1,227 @@
 """The engine: continuous batching of requests over a fixed number of sequence slots, every step a few
 precompiled graphs picked by batch bucket and context bucket.
 
-Rows 0..n-1 of the KV caches hold the n running sequences; the caches have the smallest batch bucket
-≥ n rows (padding rows are inert: they compute on zeros, and nothing reads what they write). A finished
-sequence's row is filled by the last row, so the running rows stay contiguous. New requests are
-prefilled chunk by chunk into a one-row scratch cache, one chunk per engine step, between decode steps,
-then copied into a row. A speculative step is draft → verify → accept → commit with one device→host read.
+A step is: abort what was asked, one decode or speculative step over the running rows, then one prefill
+chunk of the next request (so a long prompt never stalls running ones). A speculative step is
+propose → verify-and-accept (one graph) → commit, with one device→host read: the accepted tokens.
+Its parts live beside it: `scheduler` (queue, admission), `kv_slots` (caches), `batch_state` (per-row
+device tensors), `output` (text, stops, results) and the proposer (runtime/proposers).
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
 import time
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import Counter
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor
 
 from specair.compile.artifacts import GraphSet
-from specair.compile.spec_config import CACHED_DRAFTS
-from specair.graphs.kv import commit_kv, commit_path
+from specair.compile.graph_def import GraphKey
 from specair.graphs.sampling import sample
-from specair.models.errors import InputError, SpecairError
-from specair.runtime.ngram import NgramIndex
-from specair.runtime.params import GenerationResult, Request, SamplingParams, StreamEvent, TextAssembler
+from specair.models.errors import InputError
+from specair.runtime.batch_state import BatchState
+from specair.runtime.kv_slots import KVSlots
+from specair.runtime.output import Output
+from specair.runtime.params import SamplingParams, StreamEvent
+from specair.runtime.proposers import Proposer, Step
+from specair.runtime.scheduler import QueueFullError, Scheduler, Seq  # noqa: F401 (QueueFullError: public)
 
-
-class QueueFullError(SpecairError):
-    """More requests are waiting than the engine queues."""
-
-
-@dataclass
-class Sequence_:
-    """One request's state, from the queue to its last token."""
-
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    req: Request
-    text: TextAssembler
-    budget: int  # tokens it may still generate in all
-    t0: float
-    seq: list[int] = field(default_factory=list)  # prompt + generated; the last token is not in the cache yet
-    out: list[int] = field(default_factory=list)
-    prefilled: int = 0  # prompt tokens in the scratch cache
-    t_first: float = 0.0
-    draft_len: int = 0  # entries in the proposer's own cache (draft model, layer skip, EAGLE)
-    pending_hidden: Tensor | None = None  # EAGLE: target hidden states of the entries not yet in its cache
-    hidden: Tensor | None = None  # Medusa / MLPSpeculator: target hidden state that produced the last token
-    ngram: NgramIndex | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
-    finish: str | None = None
+VARIANT_ORDER = ("greedy", "plain", "filtered")
 
 
 class Engine:
     """Continuous batching over `num_slots` sequence slots (the largest batch bucket)."""
 
-    def __init__(self, target: Any, tokenizer: Any, draft: Any, graphs: GraphSet, *, max_waiting: int = 64,
-                 model_name: str = "specair") -> None:
-        self.target, self.tokenizer, self.draft, self.graphs = target, tokenizer, draft, graphs
+    def __init__(self, target: Any, tokenizer: Any, proposer: Proposer | None, graphs: GraphSet, *,
+                 max_waiting: int = 64, model_name: str = "specair") -> None:
+        self.target, self.tokenizer, self.proposer, self.graphs = target, tokenizer, proposer, graphs
         self.plan, self.catalog = graphs.plan, graphs.catalog
-        self.spec, self.tree = self.plan.speculative, self.plan.tree
-        self.method = self.spec.method if self.spec else None
-        self.max_context, self.chunk = self.plan.max_context, self.plan.prefill_chunk
-        self.num_slots, self.max_waiting, self.model_name = self.plan.batch_buckets[-1], max_waiting, model_name
-        self.depth = self.tree.depth if self.tree else 0
-        self.eos_ids = frozenset(set(target.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ()))
-        draft_vocab = getattr(getattr(draft, "config", draft), "vocab_size", None)  # heads keep it on themselves
-        if draft is not None and draft_vocab != target.config.vocab_size:
-            raise InputError(f"the draft's vocabulary ({draft_vocab} tokens) differs from the "
-                             f"target's ({target.config.vocab_size}); a draft must share the target's tokenizer")
-        self.cached_draft = self.method in CACHED_DRAFTS
-        self.offset = 1 if self.method == "eagle" else 0  # EAGLE entry p holds token p+1
+        self.max_context, self.chunk, self.model_name = self.plan.max_context, self.plan.prefill_chunk, model_name
+        self.depth = self.plan.tree.depth if self.plan.tree else 0
+        self.device = graphs.device
+        self.sched = Scheduler(self.plan, target.config.vocab_size, tokenizer, target.dtype, max_waiting, self.depth)
+        self.num_slots, self.max_waiting = self.sched.num_slots, max_waiting
+        self.output = Output(frozenset(set(target.config.eos_token_ids)
+                                       | set(getattr(tokenizer, "eos_token_ids", ()) or ())))
+        roles = {"target": target}
+        if proposer is not None and proposer.has_cache:
+            roles["draft"] = proposer.draft
+        self.kv = KVSlots(roles, self.plan, self.device, graphs, persistent=graphs.static_buffers)
+        self.state = BatchState(self.num_slots, target.dtype, self.device)
+        if proposer is not None:
+            proposer.attach(graphs, self.kv)
+        graphs.prepare()
         self.bucket_steps: Counter[int] = Counter()
-        self._lock = threading.Lock()
-        self._inbox: list[Sequence_] = []
-        self._aborts: set[str] = set()
-        self._ids = itertools.count()
-        self.waiting: deque[Sequence_] = deque()
-        self.prefilling: Sequence_ | None = None
-        self.rows: list[Sequence_] = []
-        self.B = 0
-        self._static: dict[int, tuple[Tensor, ...]] = {}
-        with torch.inference_mode():  # like every graph input: compiled graphs guard on the tensor kind
-            self.scratch = target.empty_cache(1, self.plan.slots)
-            self.draft_scratch = draft.empty_cache(1, self.plan.slots) if self.cached_draft else None
-            self.caches: tuple[Tensor, Tensor] | None = None
-            self.draft_caches: tuple[Tensor, Tensor] | None = None
 
     # ---- requests -----------------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> str:
         """Queue a request (thread-safe). Raises InputError for bad input, QueueFullError when full."""
-        ids = self._check_prompt(prompt_ids)
-        if not isinstance(params, SamplingParams):
-            raise InputError(f"params must be SamplingParams, got {type(params).__name__}")
-        req = Request(params, self.target.dtype)
-        self.plan.variant_for(req.variant)  # refuses sampling the plan has no graph for
-        if self.spec is not None and self.spec.acceptance == "greedy" and not req.greedy:
-            raise InputError("this engine's acceptance is 'greedy', which needs temperature 0; "
-                             "use acceptance 'rejection' to sample exactly")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        s = Sequence_(rid, ids, params, req, TextAssembler(self.tokenizer, ids, params.stop),
-                      min(params.max_tokens, self.max_context - len(ids)), time.perf_counter())
-        if self.spec is not None:
-            s.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                       "accepted_per_position": [0] * self.depth}
-        with self._lock:
-            if len(self._inbox) + len(self.waiting) >= self.max_waiting + max(0, self.num_slots - self.num_running):
-                raise QueueFullError(f"{self.max_waiting} requests are already waiting; try again later")
-            self._inbox.append(s)
-        return rid
+        return self.sched.add(prompt_ids, params, request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (thread-safe); its slot frees at the next step and its last event says 'abort'."""
-        with self._lock:
-            self._aborts.add(request_id)
+        self.sched.abort(request_id)
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The prompt's ids, or InputError if this engine cannot take it."""
+        return self.sched.check_prompt(prompt_ids)
+
+    @property
+    def rows(self) -> list[Seq]:
+        return self.sched.rows
 
     @property
     def num_running(self) -> int:
-        return len(self.rows) + (self.prefilling is not None)
+        return self.sched.num_running
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self._inbox)
+        return self.sched.num_waiting
 
     def has_unfinished(self) -> bool:
-        return bool(self.rows or self.prefilling or self.waiting or self._inbox or self._aborts)
-
-    def _check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
-        ids = list(prompt_ids)
-        if not ids:
-            raise InputError("the prompt is empty")
-        V = self.target.config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V]
-        if bad:
-            raise InputError(f"token ids must be integers in [0, {V}); got {bad[:5]}")
-        if len(ids) >= self.max_context:
-            raise InputError(f"the prompt has {len(ids)} tokens but the context holds {self.max_context} "
-                             f"(prompt plus at least one generated token)")
-        return ids
+        return self.sched.has_unfinished()
 
     # ---- the step -----------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[StreamEvent]:
         """One iteration: a decode or speculative step over the running rows, then one prefill chunk."""
-        events: list[StreamEvent] = []
-        with self._lock:
-            self.waiting.extend(self._inbox)
-            self._inbox.clear()
-            aborts, self._aborts = self._aborts, set()
-        for rid in aborts:
-            events += self._abort(rid)
+        events = [ev for rid in self.sched.collect() for ev in self._abort(rid)]
         if self.rows:
             events += self._decode()
-        if self.prefilling is None and self.waiting and len(self.rows) < self.num_slots:
-            self.prefilling = self.waiting.popleft()
-        if self.prefilling is not None:
-            events += self._prefill_chunk()
+        s = self.sched.next_prefill()
+        if s is not None:
+            events += self._prefill_chunk(s)
         return events
 
     def _abort(self, rid: str) -> list[StreamEvent]:
-        for s in list(self.waiting):
-            if s.request_id == rid:
-                self.waiting.remove(s)
-                return [self._finish(s, "abort")]
-        if self.prefilling is not None and self.prefilling.request_id == rid:
-            s, self.prefilling = self.prefilling, None
-            return [self._finish(s, "abort")]
-        for i, s in enumerate(self.rows):
-            if s.request_id == rid:
-                self._remove_row(i)
-                return [self._finish(s, "abort")]
-        return []
-
-    # ---- prefill ------------------------------------------------------------------------------------
-
-    def _prefill_chunk(self) -> list[StreamEvent]:
-        """One chunk of the prefilling request into the scratch cache (its proposer's cache alongside)."""
-        s = self.prefilling
-        start, n = s.prefilled, min(self.chunk, len(s.prompt) - s.prefilled)
-        tokens = torch.zeros(1, self.chunk, dtype=torch.long)
-        tokens[0, :n] = torch.tensor(s.prompt[start:start + n])
-        ctx = self.plan.context_bucket(max(start, 1))
-        slots = torch.arange(start, start + self.chunk).unsqueeze(0)
-        logits, hidden, new_k, new_v = self.graphs(self.catalog.key("prefill.target", 1, ctx), tokens,
-                                                   torch.tensor([start]), torch.tensor([n]), *self.scratch)
-        commit_kv(*self.scratch, new_k, new_v, slots)
-        if self.method in ("draft_model", "layer_skip"):
-            _, _, dk, dv = self.graphs(self.catalog.key("prefill.draft", 1, ctx), tokens, torch.tensor([start]),
-                                       torch.tensor([n]), *self.draft_scratch)
-            commit_kv(*self.draft_scratch, dk, dv, slots)
-        elif self.method == "eagle":  # entries start..start+m-1 pair prompt token p+1 with target hidden p
-            m = min(n, len(s.prompt) - 1 - start)
-            if m > 0:
-                shifted = torch.zeros(1, self.chunk, dtype=torch.long)
-                shifted[0, :m] = torch.tensor(s.prompt[start + 1:start + 1 + m])
-                _, _, dk, dv = self.graphs(self.catalog.key("prefill.draft", 1, ctx), shifted, torch.tensor([start]),
-                                           torch.tensor([m]), *self.draft_scratch, hidden)
-                commit_kv(*self.draft_scratch, dk, dv, slots)
-        s.prefilled += n
-        if s.prefilled < len(s.prompt):
+        found = self.sched.find(rid)
+        if found is None:
             return []
-        self.prefilling = None
-        first = int(sample(logits, s.req.temperature, s.req.top_k, s.req.top_p, s.req.uniforms(),
-                           s.req.variant).item())
-        s.t_first = time.perf_counter()
-        L = len(s.prompt)
-        s.seq = list(s.prompt)
-        last_hidden = hidden[0, n - 1]
-        if self.method in ("draft_model", "layer_skip"):
-            s.draft_len = L
-        elif self.method == "eagle":
-            s.draft_len, s.pending_hidden = L - 1, last_hidden.unsqueeze(0)
-        elif self.method in ("medusa", "mlp_speculator"):
-            s.hidden = last_hidden
-        elif self.method == "ngram":
-            s.ngram = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-            s.ngram.extend(s.prompt)
-        events = self._emit(s, [first])
-        if s.finish is None:
-            self._insert_row(s, L)
-        return events
+        where, s, row = found
+        if where == "waiting":
+            self.sched.waiting.remove(s)
+        elif where == "prefilling":
+            self.sched.prefilling = None
+        else:
+            self._remove_row(row)
+        return [self.output.finish(s, "abort")]
 
-    def _insert_row(self, s: Sequence_, length: int) -> None:
-        """Give a prefilled sequence the next row, copying its prompt's K/V out of the scratch caches."""
+    # ---- rows ---------------------------------------------------------------------------------------
+
+    def _insert_row(self, s: Seq) -> None:
         row = len(self.rows)
-        self._resize(row + 1)
+        self.kv.resize(row + 1, max((len(x.seq) for x in self.rows), default=0))
         self.rows.append(s)
-        for cache, scratch in ((self.caches, self.scratch), (self.draft_caches, self.draft_scratch)):
-            if cache is not None and scratch is not None:
-                for c, sc in zip(cache, scratch):
-                    c[:, row, :, :length] = sc[:, 0, :, :length]
-
-    def _resize(self, rows: int) -> None:
-        """Switch the caches to the smallest batch bucket holding `rows` rows, keeping the running rows."""
-        B = self.plan.batch_bucket(max(rows, 1))
-        if B == self.B:
-            return
-        keep = min(len(self.rows), B)
-        used = max((len(s.seq) for s in self.rows[:keep]), default=0)
-
-        def moved(model: Any, old: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
-            new = model.empty_cache(B, self.plan.slots)
-            if old is not None and keep:
-                for n, o in zip(new, old):
-                    n[:, :keep, :, :used] = o[:, :keep, :, :used]
-            return new
-
-        self.caches = moved(self.target, self.caches)
-        if self.cached_draft:
-            self.draft_caches = moved(self.draft, self.draft_caches)
-        self.B = B
+        self.kv.insert(row, s.committed)
+        self.state.set_row(row, s)
 
     def _remove_row(self, i: int) -> None:
         """Free row i: the last row moves into it, then the caches shrink to the smallest bucket that fits."""
-        last = len(self.rows) - 1
+        rows, last = self.rows, len(self.rows) - 1
         if i != last:
-            used = len(self.rows[last].seq)
-            for cache in (self.caches, self.draft_caches):
-                if cache is not None:
-                    for c in cache:
-                        c[:, i, :, :used] = c[:, last, :, :used]
-            self.rows[i] = self.rows[last]
-        self.rows.pop()
-        if self.rows:
-            self._resize(len(self.rows))
+            self.kv.move(last, i, len(rows[last].seq))
+            self.state.move_row(last, i)
+            rows[i] = rows[last]
+        rows.pop()
+        self.state.clear_row(last)
+        if rows:
+            self.kv.resize(len(rows), max(len(s.seq) for s in rows))
+
+    # ---- prefill ------------------------------------------------------------------------------------
+
+    def _prefill_chunk(self, s: Seq) -> list[StreamEvent]:
+        """One chunk of the prefilling request into the scratch cache (its proposer's cache alongside)."""
+        if s.prefilled == 0 and self.proposer is not None:
+            self.proposer.start(s)
+        start, n = s.prefilled, min(self.chunk, len(s.prompt) - s.prefilled)
+        tokens = torch.zeros(1, self.chunk, dtype=torch.long)
+        tokens[0, :n] = torch.tensor(s.prompt[start:start + n])
+        tokens = tokens.to(self.device)
+        ctx = self.plan.context_bucket(max(start, 1))
+        cache_len = torch.tensor([start], device=self.device)
+        out = self.graphs(GraphKey("prefill", 1, ctx), tokens=tokens, cache_len=cache_len,
+                          n_valid=torch.tensor([n], device=self.device), **self.kv.scratch_inputs("target"))
+        self.kv.commit("target", out["new_k"], out["new_v"], cache_len.unsqueeze(1) + torch.arange(
+            self.chunk, device=self.device), scratch=True)
+        if self.proposer is not None:
+            self.proposer.prefill_chunk(s, tokens, start, n, ctx, out["hidden"])
+        s.prefilled += n
+        if s.prefilled < len(s.prompt):
+            return []
+        self.sched.prefilling = None
+        r = s.req
+        first = int(sample(out["logits"], r.temperature.to(self.device), r.top_k.to(self.device),
+                           r.top_p.to(self.device), r.uniforms().to(self.device), r.variant).item())
+        s.t_first = time.perf_counter()
+        s.seq = list(s.prompt)
+        if self.proposer is not None:
+            self.proposer.prefilled(s, out["hidden"][0, n - 1])
+        _, ev = self.output.emit(s, [first])
+        if s.finish is None:
+            self._insert_row(s)
+        return [ev]
 
     # ---- decoding -----------------------------------------------------------------------------------
 
     def _decode(self) -> list[StreamEvent]:
-        n, B = len(self.rows), self.B
+        B = self.kv.B
         self.bucket_steps[B] += 1
-        if self._speculate():
-            per_row = self._speculative_step()
+        variant = self.plan.variant_for(max((s.req.variant for s in self.rows), key=VARIANT_ORDER.index))
+        if self.sched.speculates() and self.proposer.can_speculate(self.rows):
+            per_row = self._speculative_step(B, variant)
         else:
-            per_row = [(toks, None) for toks in self._plain_step()]
-        events: list[StreamEvent] = []
-        for s, (toks, draft) in zip(list(self.rows), per_row):
-            events += self._emit(s, toks, draft)
-        for i in range(n - 1, -1, -1):
+            per_row = self._plain_step(B, variant)
+        events = [self.output.emit(s, toks, draft)[1] for s, (toks, draft) in zip(list(self.rows), per_row)]
+        for i in range(len(self.rows) - 1, -1, -1):
             if self.rows[i].finish is not None:
                 self._remove_row(i)
         return events
 
-    def _speculate(self) -> bool:
-        """Whether this step speculates: a proposer, not too many rows (disable_by_batch_size), room in
-        the context for the lookahead, and some row with more than one token of budget left."""
-        if self.spec is None:
-            return False
-        if self.spec.disable_by_batch_size is not None and len(self.rows) > self.spec.disable_by_batch_size:
-            return False
-        if any(len(s.seq) + self.depth > self.max_context for s in self.rows):
-            return False
-        if all(s.budget - len(s.out) <= 1 for s in self.rows):
-            return False
-        if self.method == "ngram":
-            self._proposals = [s.ngram.propose(self.depth) for s in self.rows]
-            return any(self._proposals)
-        return True
+    def _plain_step(self, B: int, variant: str) -> list[tuple[list[int], None]]:
+        st = self.state
+        pos = st.positions[:B]
+        out = self.graphs(GraphKey("decode", B, self.sched.context_bucket(), variant=variant),
+                          tokens=st.tokens[:B], cache_len=pos, **self.kv["target"], **st.sampling(B),
+                          uniform=st.uniforms(self.rows, B))
+        self.kv.commit("target", out["new_k"], out["new_v"], pos.unsqueeze(1))
+        st.advance(out["next_tokens"], 1)
+        nxt = out["next_tokens"].tolist()  # the step's one device→host read
+        if self.proposer is not None:
+            self.proposer.decoded(self.rows, out["hidden"])
+        return [([t], None) for t in nxt[:len(self.rows)]]
 
-    def _row_tensors(self, s_fn, fill, dtype=torch.long) -> Tensor:
-        vals = [s_fn(s) for s in self.rows] + [fill] * (self.B - len(self.rows))
-        return torch.tensor(vals, dtype=dtype)
-
-    def _sampling(self) -> tuple[str, tuple[Tensor, Tensor, Tensor]]:
-        dt = self.target.dtype
-        variant = max((s.req.variant for s in self.rows), key=("greedy", "plain", "filtered").index)
-        return self.plan.variant_for(variant), (
-            self._row_tensors(lambda s: float(s.params.temperature), 0.0, dt),
-            self._row_tensors(lambda s: s.params.top_k, 0),
-            self._row_tensors(lambda s: float(s.params.top_p), 1.0, dt))
-
-    def _uniforms(self, *shape: int) -> Tensor:
-        rows = [s.req.uniforms(*shape)[0] for s in self.rows]
-        pad = torch.zeros(self.B - len(rows), *shape, dtype=rows[0].dtype)
-        return torch.cat([torch.stack(rows), pad])
-
-    def _plain_step(self) -> list[list[int]]:
-        pos = self._row_tensors(lambda s: len(s.seq) - 1, 0)
-        tokens = self._row_tensors(lambda s: s.seq[-1], 0)
-        variant, sampling = self._sampling()
-        ctx = self.plan.context_bucket(max(int(pos.max()), 1))
-        nxt, _, hidden, new_k, new_v = self.graphs(self.catalog.key("decode", self.B, ctx, variant), tokens, pos,
-                                                   *self.caches, *sampling, self._uniforms())
-        commit_kv(*self.caches, new_k, new_v, pos.unsqueeze(1))
-        out = nxt.tolist()  # the step's one device→host read
-        for i, s in enumerate(self.rows):
-            if self.method == "eagle":
-                s.pending_hidden = torch.cat([s.pending_hidden, hidden[i:i + 1]])
-            elif self.method in ("medusa", "mlp_speculator"):
-                s.hidden = hidden[i]
-        return [[t] for t in out[:len(self.rows)]]
-
-    def _tree_buffers(self) -> tuple[Tensor, ...]:
-        """depth, ancestor mask, children, paths of the static tree, expanded to the batch bucket."""
-        if self.B not in self._static:
-            b = self.tree.template.buffers()
-            # clone, not contiguous: at B=1 contiguous() returns a view of the template's (possibly
-            # non-inference) buffers, and compiled graphs guard on the tensor kind.
-            self._static[self.B] = tuple(t.unsqueeze(0).expand(self.B, *t.shape).clone()
-                                         for t in (b.depth, b.ancestor_mask, b.children, b.paths))
-        return self._static[self.B]
-
-    def _sync_draft(self, ctx_for) -> None:
-        """Bring every row's proposer cache to within one catch-up (D+1 entries) of its sequence, after
-        steps that did not speculate, with the draft's prefill graph (rows already close get no tokens)."""
-        D = self.depth
-        while True:
-            lag = [len(s.seq) - self.offset - s.draft_len for s in self.rows]  # pending entries, root's incl.
-            if max(lag) <= D + 1:
-                return
-            n = [min(max(m - 1, 0) if m > D + 1 else 0, self.chunk) for m in lag]
-            tokens = torch.zeros(self.B, self.chunk, dtype=torch.long)
-            for i, s in enumerate(self.rows):
-                if n[i]:
-                    start = s.draft_len + self.offset
-                    tokens[i, :n[i]] = torch.tensor(s.seq[start:start + n[i]])
-            start = self._row_tensors(lambda s: s.draft_len, 0)
-            extra = ()
-            if self.method == "eagle":
-                h = torch.zeros(self.B, self.chunk, self.target.config.hidden_size, dtype=self.target.dtype)
-                for i, s in enumerate(self.rows):
-                    h[i, :n[i]] = s.pending_hidden[:n[i]]
-                extra = (h,)
-            key = self.catalog.key("prefill.draft", self.B, ctx_for(int(start.max())))
-            _, _, dk, dv = self.graphs(key, tokens, start, torch.tensor(n + [0] * (self.B - len(n))),
-                                       *self.draft_caches, *extra)
-            commit_kv(*self.draft_caches, dk, dv, start.unsqueeze(1) + torch.arange(self.chunk))
-            for i, s in enumerate(self.rows):
-                s.draft_len += n[i]
-                if self.method == "eagle":
-                    s.pending_hidden = s.pending_hidden[n[i]:]
-
-    def _propose(self, root: Tensor, ctx: int, variant: str, sampling: tuple[Tensor, ...], need_q: bool):
-        """Run the proposer: tree tokens [B, T], draft probs [B, T, V] (None for an n-gram proposal under
-        greedy acceptance, which never reads them) and (topk trees) parents."""
-        cat, D, B, V = self.catalog, self.depth, self.B, self.target.config.vocab_size
-        parents = None
-        if self.method == "ngram":
-            tokens = torch.zeros(B, D + 1, dtype=torch.long)
-            tokens[:, 0] = root
-            for i, prop in enumerate(self._proposals):
-                tokens[i, 1:1 + len(prop)] = torch.tensor(prop, dtype=torch.long)
-            q = None
-            if need_q:
-                q = F.one_hot(tokens, V).to(self.target.dtype)
-                q[:, 0] = 0
-            return tokens, q, parents
-        if self.method in ("medusa", "mlp_speculator"):
-            hidden = torch.zeros(B, self.target.config.hidden_size, dtype=self.target.dtype)
-            hidden[:len(self.rows)] = torch.stack([s.hidden for s in self.rows])
-            inputs = (hidden, root) + ((*sampling, self._uniforms(D)) if self.method == "mlp_speculator" else ())
-            tokens, q = self.graphs(cat.key("draft", B, variant=variant), *inputs)
-            return tokens, q, parents
-        self._sync_draft(lambda c: self.plan.context_bucket(max(c, 1)))
-        pending = [s.seq[s.draft_len + self.offset:] for s in self.rows]
-        catch = torch.zeros(B, D + 1, dtype=torch.long)
-        for i, p in enumerate(pending):
-            catch[i, :len(p)] = torch.tensor(p)
-        n_catch = torch.tensor([len(p) for p in pending] + [1] * (B - len(pending)))
-        draft_len = self._row_tensors(lambda s: s.draft_len, 0)
-        inputs = (catch, n_catch, draft_len, *self.draft_caches)
-        if self.tree.kind == "chain":
-            inputs += (*sampling, self._uniforms(D))
-        if self.method == "eagle":
-            h = torch.zeros(B, D + 1, self.target.config.hidden_size, dtype=self.target.dtype)
-            for i, s in enumerate(self.rows):
-                h[i, :len(s.pending_hidden)] = s.pending_hidden
-            inputs += (h,)
-        out = self.graphs(cat.key("draft", B, ctx, variant), *inputs)
-        if self.tree.kind == "topk":
-            tokens, parents, q, ck, cv = out
-        else:
-            tokens, q, ck, cv = out
-        commit_kv(*self.draft_caches, ck, cv, draft_len.unsqueeze(1) + torch.arange(D + 1))
-        for s, p in zip(self.rows, pending):
-            s.draft_len += len(p)
-        return tokens, q, parents
-
-    def _speculative_step(self) -> list[tuple[list[int], tuple[int, int]]]:
-        cat, D, B, tree = self.catalog, self.depth, self.B, self.tree
-        root_pos = self._row_tensors(lambda s: len(s.seq) - 1, 0)
-        root = self._row_tensors(lambda s: s.seq[-1], 0)
-        ctx = self.plan.context_bucket(max(int(root_pos.max()), 1))  # both models read only committed slots
-        variant, sampling = self._sampling()
-        method = cat.acceptance(all(s.req.greedy for s in self.rows))
-        tokens, q, parents = self._propose(root, ctx, variant, sampling, need_q=method == "rejection")
-        if parents is not None:
-            depth, mask, children, paths = self.graphs(cat.key("tree", B), parents)
-        else:
-            depth, mask, children, paths = self._tree_buffers()
-        verify_in = (tokens, root_pos) if self.spec.scorer == "batch_expansion" else (tokens, depth, mask, root_pos)
-        logits, hidden, new_k, new_v = self.graphs(cat.key("verify", B, ctx), *verify_in, *self.caches)
-        key = cat.key("accept", B, variant=variant, method=method)
-        if method == "greedy":
-            _, acc, node_ids = self.graphs(key, tokens, logits, paths)
-        elif method == "typical":
-            _, acc, node_ids = self.graphs(key, tokens, logits, paths, *sampling)
-        else:
-            _, acc, node_ids = self.graphs(key, tokens, logits, q, children, self._uniforms(tree.num_nodes + 1),
-                                           *sampling)
-        commit_path(*self.caches, new_k, new_v, node_ids, root_pos)
-        accepted = acc.tolist()  # the step's one device→host read
-        if self.method == "eagle":
-            path_hidden = hidden.gather(1, node_ids.clamp(min=0).unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        out = []
-        for i, s in enumerate(self.rows):
-            row = [t for t in accepted[i] if t >= 0]
-            n = len(row) - 1
-            if self.method == "eagle":
-                s.pending_hidden = path_hidden[i, :n + 1]
-            elif self.method in ("medusa", "mlp_speculator"):
-                s.hidden = hidden[i, node_ids[i, n]]
-            st = s.stats
-            st["num_drafts"] += 1
-            st["num_draft_tokens"] += D
-            st["num_accepted_tokens"] += n
-            for j in range(n):
-                st["accepted_per_position"][j] += 1
-            out.append((row, (D, n)))
-        return out
-
-    # ---- output -------------------------------------------------------------------------------------
-
-    def _emit(self, s: Sequence_, new: list[int], draft: tuple[int, int] | None = None) -> list[StreamEvent]:
-        """Append a step's tokens to a sequence; stop at EOS, a stop string or the budget."""
-        taken, delta = [], ""
-        for tok in new:
-            s.out.append(tok)
-            taken.append(tok)
-            delta += s.text.add(tok)
-            if tok in self.eos_ids and not s.params.ignore_eos or s.text.stopped:
-                s.finish = "stop"
-                break
-            if len(s.out) >= s.budget:
-                s.finish = "length"
-                break
-        s.seq.extend(taken)
-        if s.ngram is not None:
-            s.ngram.extend(taken)
-        if s.finish is None:
-            return [StreamEvent(delta, taken, None, s.request_id, draft)]
-        ev = self._finish(s, s.finish)
-        ev.text, ev.token_ids, ev.draft = delta + ev.text, taken, draft
-        return [ev]
-
-    def _finish(self, s: Sequence_, reason: str) -> StreamEvent:
-        s.finish = reason
-        t_end = time.perf_counter()
-        tail = s.text.finish()
-        n = len(s.out)
-        extra: dict[str, Any] = {}
-        if s.stats:
-            st = dict(s.stats)
-            st["mean_accepted_length"] = (st["num_accepted_tokens"] + st["num_drafts"]) / max(st["num_drafts"], 1)
-            extra["spec"] = st
-        t_first = s.t_first or t_end
-        result = GenerationResult(
-            text=s.text.text, token_ids=list(s.out), num_prompt_tokens=len(s.prompt), num_generated_tokens=n,
-            finish_reason=reason, ttft_s=t_first - s.t0,
-            decode_tokens_per_s=(n - 1) / (t_end - t_first) if n > 1 and t_end > t_first else 0.0,
-            prefill_tokens_per_s=len(s.prompt) / (t_first - s.t0) if t_first > s.t0 else 0.0, extra=extra)
-        return StreamEvent(tail, [], result, s.request_id)
+    def _speculative_step(self, B: int, variant: str) -> list[tuple[list[int], tuple[int, int]]]:
+        st, D = self.state, self.depth
+        ctx = self.sched.context_bucket()  # both models read only committed slots
+        root_pos = st.positions[:B].clone()
+        step = Step(B, self.rows, ctx, variant, st.sampling(B), st.tokens[:B], root_pos,
+                    lambda n: st.uniforms(self.rows, B, n))
+        prop = self.proposer.propose(step)
+        key = self.catalog.verify_key(B, ctx, variant)
+        inputs = {"tree_tokens": prop.tokens, "root_pos": root_pos, **self.kv["target"]}
+        if self.proposer.dynamic_tree:
+            inputs["parents"] = prop.parents
+        if key.method == "rejection":
+            if self.proposer.proposal_probs:
+                inputs["draft_probs"] = prop.draft_probs
+            inputs["uniforms"] = st.uniforms(self.rows, B, self.plan.tree.num_nodes + 1)
+        if key.method != "greedy":
+            inputs.update(step.sampling)
+        out = self.graphs(key, **inputs)
+        self.kv.commit("target", out["path_k"], out["path_v"],
+                       root_pos.unsqueeze(1) + torch.arange(D + 1, device=self.device))
+        n_acc = out["num_accepted"]
+        st.advance(out["tokens"].gather(1, n_acc.unsqueeze(1)).squeeze(1), n_acc + 1)
+        accepted = out["tokens"].tolist()  # the step's one device→host read
+        per_row, counts = [], []
+        for s, row in zip(self.rows, accepted):
+            toks = [t for t in row if t >= 0]
+            counts.append(len(toks) - 1)
+            self.output.count_draft(s, D, counts[-1])
+            per_row.append((toks, (D, counts[-1])))
+        self.proposer.accepted(self.rows, counts, out["path_hidden"])
+        return per_row

@@ -88,7 +88,7 @@ class LLM:
         if len(plist) != len(ids):
             raise InputError(f"{len(plist)} sampling params for {len(ids)} prompts")
         for p in ids:
-            self.engine._check_prompt(p)  # refuse a bad batch before any of it runs
+            self.engine.check_prompt(p)  # refuse a bad batch before any of it runs
         results: dict[str, GenerationResult] = {}
         order: list[str] = []
         queue = list(zip(ids, plist))

@@ -8,7 +8,7 @@ import torch
 
 from specair.graphs.acceptance import accept_greedy, accept_rejection, accept_typical
 from specair.graphs.sampling import logits_to_probs, sample_from_probs
-from specair.graphs.tree import TreeTemplate, buffers_from_parents, chain, from_choices, kary
+from specair.graphs.tree import TreeTemplate, buffers_from_parents, chain, from_choices, get_template, kary
 
 
 def params(B, temperature=1.0, top_k=0, top_p=1.0, dtype=torch.float64):
@@ -159,8 +159,9 @@ def enumerate_rejection(world, tree, mode, setting):
     f64 = dict(dtype=torch.float64)
     forced = torch.where(bits, torch.tensor(0.0, **f64), torch.tensor(1 - 1e-9, **f64))  # accept iff a > 0 / a == 1
     u = torch.cat([torch.zeros(A * P, 1, **f64), forced, torch.full((A * P, 1), 0.5, **f64)], 1)
+    # Deterministic candidates go in as the runtime passes them: tokens only, the one-hot q implied.
     r, accept_prob, final = accept_rejection(
-        toks, logits, q, expand(b.children, A * P), u, *params(A * P, *setting),
+        toks, logits, None if mode == "topk" else q, expand(b.children, A * P), u, *params(A * P, *setting),
         max_depth=tree.max_depth, return_probs=True)
     # Unvisited nodes report accept_prob 0, so only their "reject" pattern keeps weight: no double counting.
     w = w * torch.where(bits, accept_prob[:, 1:], 1 - accept_prob[:, 1:]).prod(-1)
@@ -488,3 +489,21 @@ def test_acceptance_compiles_once_and_matches_eager():
                         torch.testing.assert_close(x, y)
                 for x, y in zip(want, got):
                     assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("tree", ["chain3", "kary:2x2", "mc_sim_7b_63"])
+def test_deterministic_candidates_without_q_equal_one_hot_q(tree):
+    """draft_probs=None (what the runtime passes for deterministic proposals) is exactly one-hot q."""
+    t = get_template(None if tree == "chain3" else tree, 3 if tree == "chain3" else (2 if tree.startswith("k") else 4))
+    b, B, V = t.buffers(), 6, 11
+    g = torch.Generator().manual_seed(5)
+    toks = torch.randint(0, V, (B, t.num_nodes), generator=g)
+    logits = torch.randn(B, t.num_nodes, V, generator=g, dtype=torch.float64)
+    u = torch.rand(B, t.num_nodes + 1, generator=g, dtype=torch.float64)
+    kw = dict(max_depth=t.max_depth, return_probs=True)
+    one_hot = torch.nn.functional.one_hot(toks, V).double()
+    sampling = params(B, 0.8, 3, 0.9)
+    got = accept_rejection(toks, logits, None, expand(b.children, B), u, *sampling, **kw)
+    want = accept_rejection(toks, logits, one_hot, expand(b.children, B), u, *sampling, **kw)
+    for x, y in zip((*got[0], *got[1:]), (*want[0], *want[1:])):
+        assert torch.equal(x, y)

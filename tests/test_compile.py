@@ -11,12 +11,13 @@ from helpers import save_tiny
 from specair.compile.artifacts import ArtifactError, compile_artifacts, load_artifacts, read_manifest
 from specair.compile.backends import BackendUnavailable, get_backend
 from specair.compile.catalog import Catalog
+from specair.compile.graph_def import GraphKey
 from specair.compile.plan import Plan
 from specair.compile.spec_config import SpeculativeConfig
 from specair.models.checkpoint import load_checkpoint
 from specair.models.errors import InputError
 from specair.models.llama import build_model, truncated
-from specair.runtime.build import engine_from_models
+from specair.runtime.build import engine_from_models, make_proposer
 from specair.runtime.engine import Engine
 from specair.runtime.llm import LLM
 from specair.runtime.params import SamplingParams
@@ -62,7 +63,7 @@ def test_every_catalog_graph_runs_eagerly_with_its_example_inputs(tiny):
                                                        "num_speculative_tokens": 2, "tree": "topk:2x4",
                                                        "acceptance": "typical"})):
         plan = Plan(max_context=128, batch_buckets=(1, 2), variants=("greedy", "plain", "filtered"), speculative=spec)
-        cat = Catalog(tiny, plan, truncated(tiny, 1))
+        cat = Catalog(tiny, plan, make_proposer(plan, tiny, truncated(tiny, 1)))
         keys = cat.keys()
         assert len(keys) == len(set(keys))
         for key in keys:
@@ -103,19 +104,20 @@ def fingerprints():
 
 def test_artifacts_roundtrip_and_refusals(tiny, tmp_path):
     plan = Plan(max_context=128, batch_buckets=(1,), prefill_chunk=16, variants=("greedy",), speculative=CHAIN)
-    cat = Catalog(tiny, plan, truncated(tiny, 1))
+    proposer = make_proposer(plan, tiny, truncated(tiny, 1))
+    cat = Catalog(tiny, plan, proposer)
     eager = get_backend("eager")
     compile_artifacts(cat, eager, tmp_path, fingerprints(), progress=False)
     manifest = read_manifest(tmp_path)
-    assert manifest["graphs"] == cat.keys() and manifest["backend"] == "eager"
+    assert manifest["graphs"] == [k.name for k in cat.keys()] and manifest["backend"] == "eager"
     graphs = load_artifacts(cat, eager, tmp_path, manifest, fingerprints(), "HINT")
-    loaded = Engine(tiny, None, truncated(tiny, 1), graphs)
+    loaded = Engine(tiny, None, proposer, graphs)
     ref = engine_from_models(tiny, None, truncated(tiny, 1), CHAIN, max_context=128, prefill_chunk=16)
     assert generate(loaded) == generate(ref)
     with pytest.raises(InputError, match="variant 'filtered' is not in the plan"):  # a variant not compiled
         loaded.add_request(PROMPT, SamplingParams(max_tokens=4, temperature=1.0, top_k=5))
     with pytest.raises(ArtifactError, match="not in the compiled plan"):
-        graphs("verify.b2.c64")
+        graphs(GraphKey("verify", 2, 64, "greedy"))
     with pytest.raises(ArtifactError, match="target differs.*HINT"):
         load_artifacts(cat, eager, tmp_path, manifest, {**fingerprints(), "target": "xyz"}, "HINT")
     (tmp_path / "manifest.json").write_text("{not json")
@@ -176,7 +178,8 @@ def test_cli_onnx_edge_export_passes_check_onnx_and_serves(tiny_dir, tmp_path):
                 "--speculative-config", spec)
     assert r.returncode == 0, r.stderr
     files = sorted(str(p) for p in out.glob("*.onnx"))
-    assert len(files) == 9 and not list(out.glob("*.bin"))  # 9 graphs, weights inside each file
+    # prefill, decode x2, verify x2 (greedy, rejection), draft prefill, draft x2 (plain, filtered): weights inside each
+    assert len(files) == 8 and not list(out.glob("*.bin"))
     check = run_cli("check-onnx", *files)
     assert check.returncode == 0, check.stdout + check.stderr
     ids = json.dumps(list(range(5, 25)))

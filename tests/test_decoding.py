@@ -64,7 +64,7 @@ def test_chunked_prefill_equals_one_shot(tiny):
     p = SamplingParams(max_tokens=20, ignore_eos=True)
     assert one.generate(prompt, p)[0].token_ids == many.generate(prompt, p)[0].token_ids
     # The request prefilled its prompt into each engine's scratch cache.
-    for x, y in zip(one.engine.scratch, many.engine.scratch, strict=True):
+    for x, y in zip(one.engine.kv.scratch["target"], many.engine.kv.scratch["target"], strict=True):
         assert (x[..., :100, :] - y[..., :100, :]).abs().max() <= 1e-10
 
 

@@ -6,11 +6,10 @@ import pytest
 import torch
 from helpers import save_tiny
 
-from specair.compile.spec_config import SpeculativeConfig
 from specair.models.checkpoint import load_checkpoint
 from specair.models.errors import InputError
 from specair.models.llama import build_model, truncated
-from specair.runtime.build import engine_from_models
+from specair.runtime.build import engine_from_models, parse_spec
 from specair.runtime.llm import LLM
 from specair.runtime.params import SamplingParams
 
@@ -118,7 +117,7 @@ def test_near_end_of_context_falls_back_to_plain_steps(tiny64):
 ])
 def test_bad_speculative_config(bad, match):
     with pytest.raises(InputError, match=match):
-        SpeculativeConfig.parse(bad)
+        parse_spec(bad)
 
 
 def test_tree_depth_must_match_lookahead(tiny64):

@@ -1,0 +1,29 @@
+"""EAGLE (and EAGLE-2 dynamic trees): a one-layer head that drafts from the target's hidden states.
+
+Entry p of the head's cache pairs token p+1 with the target's hidden state at p, so it runs one entry
+behind the target; the pending entries' hidden states come from the verify graph's accepted path (or
+the plain decode step) and feed the next catch-up. Drafting itself is the draft model's loop
+(`graphs.draft`) with the head's own output features extrapolated for drafted nodes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from specair.runtime.proposers.base import HeadProposer, register
+from specair.runtime.proposers.draft_model import CachedDraft
+
+
+@register
+class Eagle(CachedDraft, HeadProposer):
+    method = "eagle"
+    offset = 1
+    reads_hidden = True
+    shipped = "eagle"
+
+    @staticmethod
+    def loader(path: Path, target: Any) -> Any:
+        from specair.models.eagle import load_eagle
+
+        return load_eagle(path, target)

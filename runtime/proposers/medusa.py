@@ -1,0 +1,48 @@
+"""Medusa: heads on the target's last hidden state, each guessing one position further; their top-k
+candidates fill a static tree in one small graph (no cache, no draft loop)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from specair.compile.catalog import Catalog, GraphSpec
+from specair.compile.graph_def import GraphKey
+from specair.compile.plan import Plan
+from specair.compile.spec_config import SpeculativeConfig, tree_shape
+from specair.graphs.heads import medusa_tree
+from specair.models.errors import InputError
+from specair.runtime.proposers.base import LastHiddenHead, Proposal, Step, register
+
+
+@register
+class Medusa(LastHiddenHead):
+    method = "medusa"
+    sampled = False  # candidates are the heads' top-k: deterministic
+    shipped = "medusa"
+    lookahead_key = "medusa_num_heads"
+
+    @staticmethod
+    def loader(path: Path, target: Any) -> Any:
+        from specair.models.medusa import load_medusa
+
+        return load_medusa(path, target)
+
+    @classmethod
+    def check_tree(cls, config: SpeculativeConfig) -> None:
+        if tree_shape(config).kind == "topk":
+            raise InputError("Medusa heads do not condition on the parent token: use a static tree "
+                             "(a choice list, 'kary:DxW' or 'mc_sim_7b_63'), not 'topk:KxN'")
+
+    def graph_keys(self, plan: Plan) -> list[GraphKey]:
+        return [GraphKey("draft", b) for b in plan.batch_buckets]
+
+    def build_graph(self, key: GraphKey, cat: Catalog) -> GraphSpec:
+        B, template = key.batch, self.tree.template
+        inputs = {"hidden": cat.zeros(B, cat.hidden_size, dtype=cat.target.dtype), "root": cat.zeros(B)}
+        return GraphSpec(medusa_tree, {"draft": self.draft},
+                         {"template": template, "buffers": cat.on_device(template.buffers())}, inputs, ["tree_tokens"])
+
+    def propose(self, step: Step) -> Proposal:
+        out = self.graphs(GraphKey("draft", step.B), hidden=self.hidden(step), root=step.root)
+        return Proposal(out["tree_tokens"])

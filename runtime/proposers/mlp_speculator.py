@@ -1,0 +1,50 @@
+"""MLPSpeculator (IBM / vLLM `mlp_speculator`): a chain of small MLP stages on the target's last hidden
+state, each sampling one token and feeding it to the next (no cache)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from specair.compile.catalog import Catalog, GraphSpec
+from specair.compile.graph_def import GraphKey
+from specair.compile.plan import Plan
+from specair.graphs.heads import mlp_speculator_chain
+from specair.models.errors import InputError
+from specair.runtime.proposers.base import LastHiddenHead, Proposal, Step, register
+
+
+@register
+class MLPSpeculatorProposer(LastHiddenHead):
+    method = "mlp_speculator"
+    lookahead_key = "n_predict"
+
+    @staticmethod
+    def loader(path: Path, target: Any) -> Any:
+        from specair.models.mlp_speculator import load_mlp_speculator
+
+        return load_mlp_speculator(path, target)
+
+    @classmethod
+    def check_config(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        if raw.get("tree") not in (None, "chain"):
+            raise InputError("method 'mlp_speculator' proposes a chain; drop 'tree'")
+        return super().check_config(raw)
+
+    def key(self, B: int, variant: str) -> GraphKey:
+        return GraphKey("draft", B, variant=Catalog.sampled(variant))
+
+    def graph_keys(self, plan: Plan) -> list[GraphKey]:
+        return list(dict.fromkeys(self.key(b, v) for b in plan.batch_buckets for v in plan.variants))
+
+    def build_graph(self, key: GraphKey, cat: Catalog) -> GraphSpec:
+        B = key.batch
+        inputs = {"hidden": cat.zeros(B, cat.hidden_size, dtype=cat.target.dtype), "root": cat.zeros(B),
+                  **cat.sampling(B), "uniforms": cat.uniforms(B, self.depth)}
+        return GraphSpec(mlp_speculator_chain, {"draft": self.draft},
+                         {"k": self.depth, "filtered": key.variant == "filtered"}, inputs, ["tree_tokens", "draft_probs"])
+
+    def propose(self, step: Step) -> Proposal:
+        out = self.graphs(self.key(step.B, step.variant), hidden=self.hidden(step), root=step.root,
+                          **step.sampling, uniforms=step.uniforms(self.depth))
+        return Proposal(out["tree_tokens"], out["draft_probs"])

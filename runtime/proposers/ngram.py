@@ -1,0 +1,85 @@
+"""N-gram prompt lookup (vLLM `ngram`, HF `prompt_lookup_num_tokens`): propose the tokens that followed the
+latest earlier occurrence of the sequence's last n tokens, n from `max_n` down to `min_n`.
+
+The index is built as tokens arrive, so a proposal is a dictionary lookup per n, never a scan of the context.
+Proposals are made on the host (no draft graph) and are deterministic: the verify graph reads their
+one-hot draft distribution off the tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from specair.compile.spec_config import SpeculativeConfig
+from specair.models.errors import InputError
+from specair.runtime.proposers.base import Proposal, Proposer, Step, register
+from specair.runtime.scheduler import Seq
+
+
+class NgramIndex:
+    """For each n in [min_n, max_n]: n-gram → where the tokens after its latest occurrence start."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append tokens. An n-gram enters the index only once a token follows it, so the sequence's own
+        suffix is never its own match."""
+        for t in tokens:
+            end = len(self.tokens)  # the n-grams ending just before `t` now have a continuation at `end`
+            for n, table in self.tables.items():
+                if end >= n:
+                    table[tuple(self.tokens[end - n:end])] = end
+            self.tokens.append(t)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the longest matching suffix's latest earlier occurrence ([] if none)."""
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(self.tokens) < n:
+                continue
+            start = self.tables[n].get(tuple(self.tokens[-n:]))
+            if start is not None:
+                return self.tokens[start:start + k]
+        return []
+
+
+@register
+class Ngram(Proposer):
+    method = "ngram"
+    sampled = False
+
+    def __init__(self, spec: SpeculativeConfig, plan: Any, target: Any, draft: Any) -> None:
+        super().__init__(spec, plan, target, draft)
+        self._proposals: list[list[int]] = []
+
+    @classmethod
+    def check_config(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        lo, hi = raw.get("prompt_lookup_min") or 1, raw.get("prompt_lookup_max") or 4
+        if lo > hi:
+            raise InputError(f"'prompt_lookup_min' ({lo}) exceeds 'prompt_lookup_max' ({hi})")
+        if raw.get("tree") not in (None, "chain"):
+            raise InputError("method 'ngram' proposes a chain; drop 'tree'")
+        return {**raw, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+
+    def start(self, seq: Seq) -> None:
+        seq.draft = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+
+    def can_speculate(self, rows: list[Seq]) -> bool:
+        for s in rows:  # the index catches up with the tokens the sequence gained since
+            s.draft.extend(s.seq[len(s.draft.tokens):])
+        self._proposals = [s.draft.propose(self.depth) for s in rows]
+        return any(self._proposals)
+
+    def propose(self, step: Step) -> Proposal:
+        tokens = torch.zeros(step.B, self.depth + 1, dtype=torch.long)
+        for i, prop in enumerate(self._proposals):
+            tokens[i, 1:1 + len(prop)] = torch.tensor(prop, dtype=torch.long)
+        tokens = tokens.to(self.device)
+        tokens[:, 0] = step.root
+        return Proposal(tokens)
