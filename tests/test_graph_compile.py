@@ -10,10 +10,10 @@ import torch._dynamo
 from helpers import save_tiny
 
 from specair.graphs.draft import draft_chain, draft_static_tree, draft_topk_tree
-from specair.graphs.kv import commit_path
+from specair.graphs.kv import commit_kv
 from specair.graphs.steps import decode_step, prefill_chunk
 from specair.graphs.tree import buffers_from_parents, get_template
-from specair.graphs.verify import expanded_verify, leaf_paths, tree_verify
+from specair.graphs.verify import expanded_verify, leaf_paths, tree_verify, verify_and_accept
 from specair.models.checkpoint import load_checkpoint
 from specair.models.llama import build_model
 
@@ -70,7 +70,7 @@ def run_both(fn, caches, args):
     compiled(*args(kv))  # same shapes, new buffers: no recompile allowed
     assert_same(outs[0][0], outs[1][0])
     assert_same(outs[0][1], outs[1][1])
-    if fn is not commit_path:
+    if fn is not commit_kv:
         assert_same(outs[0][1], caches)
     return outs[0]
 
@@ -103,9 +103,12 @@ def test_draft_and_verify_compile(model, tree):
     else:
         fn = functools.partial(draft_static_tree, model, template=tpl, ctx=CTX)
         args = lambda kv: (catch, n_catch, draft_len, *kv)  # noqa: E731
-    (tokens, q, ck, cv), _ = run_both(fn, caches, args)
+    drafted, _ = run_both(fn, caches, args)
+    tokens, ck, q = drafted[0], drafted[-2], drafted[1] if tpl.max_width == 1 else None
     assert ck.shape[3] == D + 1
-    assert tokens.shape == (B, tpl.num_nodes) and q.shape == (B, tpl.num_nodes, 256)
+    assert tokens.shape == (B, tpl.num_nodes)
+    assert len(drafted) == (4 if tpl.max_width == 1 else 3)  # trees are deterministic: no draft distribution
+    assert q is None or q.shape == (B, tpl.num_nodes, 256)
 
     buf = tpl.buffers()
     root = torch.tensor([12, 60])
@@ -115,21 +118,37 @@ def test_draft_and_verify_compile(model, tree):
                       lambda kv: (tokens, *leaf_paths(buf.paths, buf.children), root, *kv))
     for a, b in zip(out, exp):  # both scorers agree node by node
         assert torch.allclose(a, b, atol=1e-4)
-    node_ids = torch.tensor([[0, 1] + [-1] * (D - 1), list(range(D + 1))]) if tpl.max_width == 1 else \
-        buf.paths[-1].unsqueeze(0).expand(B, -1).contiguous()
-    run_both(commit_path, caches, lambda kv: (*kv, out.new_k, out.new_v, node_ids, root))
+    # Scoring and acceptance in one graph, with either scorer, then the accepted path's commit.
+    u = torch.rand(B, tpl.num_nodes + 1)
+    static = dict(ctx=CTX, acceptance="rejection", max_depth=D, max_width=tpl.max_width, tree=buf)
+    fused, _ = run_both(functools.partial(verify_and_accept, model, **static), caches,
+                        lambda kv: (tokens, root, *kv, None, q, u, *SAMPLING))
+    fused_exp = verify_and_accept(model, tokens, root, *caches, None, q, u, *SAMPLING,
+                                  expansion=leaf_paths(buf.paths, buf.children), **static)
+    assert_same(fused, fused_exp)
+    num_accepted, _, node_ids, path_hidden, path_k, _ = fused
+    assert path_k.shape[3] == D + 1 and path_hidden.shape == (B, D + 1, 64)
+    for b in range(B):  # the path's K/V and hidden states are the verify pass's, node by node
+        for j in range(int(num_accepted[b]) + 1):
+            assert torch.allclose(path_k[:, b, :, j], out.new_k[:, b, :, node_ids[b, j]], atol=1e-5)
+            assert torch.allclose(path_hidden[b, j], out.hidden[b, node_ids[b, j]], atol=1e-5)
+    slots = root.unsqueeze(1) + torch.arange(D + 1)
+    run_both(commit_kv, caches, lambda kv: (*kv, path_k, fused[5], slots))
 
 
 def test_topk_tree_draft_and_dynamic_buffers_compile(model):
     caches = filled_cache(model)
     catch = torch.randint(0, 256, (B, 5))
     fn = functools.partial(draft_topk_tree, model, depth=4, topk=3, num_nodes=12, ctx=CTX)
-    (tokens, parents, q, _, _), _ = run_both(fn, caches,
-                                             lambda kv: (catch, torch.tensor([1, 5]), torch.tensor([9, 30]), *kv))
+    (tokens, parents, _, _), _ = run_both(fn, caches,
+                                          lambda kv: (catch, torch.tensor([1, 5]), torch.tensor([9, 30]), *kv))
     assert tokens.shape == parents.shape == (B, 13) and (parents[:, 1:] < torch.arange(1, 13)).all()
     torch._dynamo.reset()
     compiled = torch.compile(functools.partial(buffers_from_parents, max_depth=4, max_width=3), fullgraph=True)
     assert_same(tuple(compiled(parents)), tuple(buffers_from_parents(parents, 4, 3)))
+    # The fused verify graph builds the per-row tree buffers from the parents inside itself.
+    fused = functools.partial(verify_and_accept, model, ctx=CTX, acceptance="greedy", max_depth=4, max_width=3)
+    run_both(fused, caches, lambda kv: (tokens, torch.tensor([12, 60]), *kv, parents))
 
 
 def test_padded_rows_do_not_change_real_rows(model):
