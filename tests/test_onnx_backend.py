@@ -34,14 +34,14 @@ from specair.graphs.acceptance import accept_greedy, accept_rejection, accept_ty
 from specair.graphs.draft import draft_chain, draft_static_tree, draft_topk_tree
 from specair.graphs.steps import decode_step, prefill_chunk
 from specair.graphs.tree import buffers_from_parents, get_template
-from specair.graphs.verify import tree_verify
+from specair.graphs.verify import tree_verify, verify_and_accept
 from specair.models.checkpoint import load_checkpoint
 from specair.models.llama import Transformer, build_model, truncated
 
 SLOTS, V = 192, 256
 TREE = get_template("kary:2x2", 2)
 K_CHAIN = 2
-MODEL_KINDS = ["prefill", "decode", "verify", "draft_chain", "draft_static_tree", "draft_topk_tree"]
+MODEL_KINDS = ["prefill", "decode", "verify", "verify_and_accept", "draft_chain", "draft_static_tree", "draft_topk_tree"]
 ACCEPT_KINDS = ["accept_greedy", "accept_typical", "accept_rejection", "buffers_from_parents"]
 
 
@@ -90,6 +90,8 @@ def _inputs(kind: str, B: int, model: Transformer | None, seed: int) -> tuple[to
         return tok(B), rows(5, 40), k, v, *samp, torch.rand(B, generator=g)
     if kind == "verify":
         return tok(B, T), buf.depth, buf.ancestor_mask.unsqueeze(0), rows(12, 60), k, v
+    if kind == "verify_and_accept":  # what the runtime dispatches: deterministic tree, exact sampling
+        return tok(B, T), rows(12, 60), k, v, torch.rand(B, T + 1, generator=g), *samp
     if kind == "draft_chain":
         return tok(B, K_CHAIN + 1), rows(2, K_CHAIN + 1), rows(10, 50), k, v, *samp, torch.rand(B, K_CHAIN, generator=g)
     if kind == "draft_static_tree":
@@ -125,6 +127,13 @@ def make_graph(kind: str, B: int, ctx: int | None, model: Transformer | None, se
         "accept_rejection": (accept_rejection, None, {"max_depth": TREE.max_depth}),
         "buffers_from_parents": (buffers_from_parents, None, {"max_depth": 3, "max_width": 3}),
     }
+    if kind == "verify_and_accept":
+        static = {"ctx": ctx, "acceptance": "rejection", "max_depth": TREE.max_depth, "max_width": TREE.max_width,
+                  "tree": TREE.buffers()}
+        names = ("tree_tokens", "root_pos", "k_cache", "v_cache", "uniforms", "temperature", "top_k", "top_p")
+        module = GraphModule(verify_and_accept, {"target": model}, static, names)
+        inputs = _inputs(kind, B, model, seed)
+        return GraphDef(f"{kind}.b{B}.c{ctx}", module, inputs, names, tuple(f"out{i}" for i in range(6)))
     fn, role, static = fns[kind]
     module = GraphModule(fn, {role: model} if role else {}, static)
     inputs = _inputs(kind, B, model if role else None, seed)

@@ -16,13 +16,14 @@ from specair.compile.artifacts import MANIFEST, ArtifactError
 from specair.compile.backends import get_backend
 from specair.compile.backends.onnx import WEIGHTS_INDEX, OnnxBackend
 from specair.compile.catalog import Catalog
+from specair.compile.graph_def import GraphKey
 from specair.compile.plan import Plan
 from specair.compile.quantize import SCHEMES, parse_quantize
 from specair.compile.spec_config import SpeculativeConfig
 from specair.models.checkpoint import load_checkpoint
 from specair.models.errors import InputError
 from specair.models.llama import build_model, truncated
-from specair.runtime.build import compile_plan, engine_from_models, open_engine
+from specair.runtime.build import compile_plan, engine_from_models, make_proposer, open_engine
 from specair.runtime.cli import build_parser
 from specair.runtime.llm import LLM
 from specair.runtime.params import SamplingParams
@@ -55,8 +56,8 @@ def _layer_skip() -> SpeculativeConfig:
 
 
 def _catalog(model, spec=None, draft=None) -> Catalog:
-    return Catalog(model, Plan(max_context=CTX, batch_buckets=(1,), variants=("greedy",), speculative=spec,
-                               prefill_chunk=16), draft)
+    plan = Plan(max_context=CTX, batch_buckets=(1,), variants=("greedy",), speculative=spec, prefill_chunk=16)
+    return Catalog(model, plan, make_proposer(plan, model, draft))
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def prefill_inputs(model):
 
 @pytest.mark.parametrize("method", ["int4", "int8"])
 def test_quantized_graph_runs_close_to_fp32_with_every_linear_quantized(model, prefill_inputs, tmp_path, method):
-    graph = _catalog(model).graph(f"prefill.target.b1.c{CTX}")
+    graph = _catalog(model).graph(GraphKey("prefill", 1, CTX))
     fn = OnnxBackend(threads=1, quantize=method).compile(graph, tmp_path)
     ref = graph.eager(*prefill_inputs)[0]
     out = fn(*prefill_inputs)[0]
@@ -92,7 +93,8 @@ def test_quantized_graph_runs_close_to_fp32_with_every_linear_quantized(model, p
 
 def test_weights_are_quantized_once_and_shared_by_sessions(model, tmp_path):
     spec_cat = _catalog(model, _layer_skip(), truncated(model, 1))
-    keys = [f"prefill.target.b1.c{CTX}", f"decode.b1.c{CTX}.greedy", f"draft.b1.c{CTX}.plain"]
+    keys = [GraphKey("prefill", 1, CTX), GraphKey("decode", 1, CTX, variant="greedy"),
+            GraphKey("draft", 1, CTX, variant="plain")]
     be = OnnxBackend(threads=1, quantize="int4")
     be.begin(tmp_path, loading=False)
     for key in keys:
