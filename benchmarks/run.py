@@ -40,7 +40,6 @@ AUTOREGRESSIVE = "autoregressive"
 # Used when neither --configs nor --spec is given: prompt lookup (needs no trained weights), and for the
 # default model its shipped EAGLE and Medusa heads, each with the lookahead and tree the heads carry.
 DEFAULT_SPECS: list[dict[str, Any]] = [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}]
-SHIPPED_HEAD_METHODS = ("eagle", "medusa")
 
 
 # ---------------------------------------------------------------- prompts
@@ -158,8 +157,7 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
     `acceptances` (when given). Every (backend, dtype, quantize) gets an autoregressive baseline unless an
     entry already is one (artifact directories excepted: they are compiled for one proposer).
     """
-    from specair.compile.spec_config import HEAD_METHODS, SpeculativeConfig
-    from specair.runtime.build import head_defaults
+    from specair.runtime.proposers import parse_config, proposer_class
 
     out: list[BenchConfig] = []
     for entry in entries:
@@ -173,10 +171,10 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
         spec = entry.get("speculative_config")
         if isinstance(spec, str):
             spec = json.loads(spec)
-        if isinstance(spec, dict) and spec.get("method") in HEAD_METHODS and "num_speculative_tokens" not in spec:
-            spec = {**head_defaults(spec["method"], spec.get("model")), **spec}  # what the heads were trained for
+        if isinstance(spec, dict) and "num_speculative_tokens" not in spec:  # what the heads were trained for
+            spec = {**proposer_class(spec.get("method")).config_defaults(spec.get("model")), **spec}
         if spec is not None:
-            SpeculativeConfig.parse(spec)  # refuse a bad config before loading anything
+            parse_config(spec)  # refuse a bad config before loading anything
         if entry.get("artifacts"):
             if set(entry) & {"backend", "dtype", "quantize"}:
                 raise InputError(f"{entry['artifacts']}: backend, dtype and quantize come from the artifacts' "
@@ -212,16 +210,17 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
 def default_config_entries(model: str | None) -> list[Any]:
     """Autoregressive, prompt lookup, and (for the default model) the trained EAGLE and Medusa heads
     shipped under models/heads/ when they are there."""
-    from specair.runtime.build import shipped_head
+    from specair.runtime.proposers import PROPOSERS, shipped_head
 
     entries: list[Any] = [None, *DEFAULT_SPECS]
     if model is None:
-        for method in SHIPPED_HEAD_METHODS:
+        for method, cls in PROPOSERS.items():
             try:
-                shipped_head(method)
+                if getattr(cls, "shipped", None):
+                    shipped_head(cls.shipped)
+                    entries.append({"method": method})
             except InputError:
                 continue
-            entries.append({"method": method})
     return entries
 
 
@@ -429,40 +428,20 @@ def _probe_main() -> None:
 # ---------------------------------------------------------------- profile
 
 
-class _TimedGraphs:
-    """Stands in for an engine's GraphSet during a profile run: times every call by graph kind."""
-
-    def __init__(self, graphs: Any) -> None:
-        self._graphs = graphs
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._graphs, name)
-
-    def __call__(self, key: str, *inputs: Any) -> Any:
-        kind = key.split(".b")[0]
-        t = time.perf_counter()
-        out = self._graphs(key, *inputs)
-        self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - t
-        self.calls[kind] = self.calls.get(kind, 0) + 1
-        return out
-
-
 def profile_config(runner: SpecairRunner, prompt: Sequence[int], params: SamplingParams) -> dict[str, Any]:
     """Where one request's time goes: per graph kind (wall time of its calls), the host-side rest, and the
     top operators by self CPU time (torch.profiler) over the decode phase."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = runner.llm.engine
-    timed = _TimedGraphs(engine.graphs)
-    engine.graphs = timed
+    graphs = runner.llm.engine.graphs
+    graphs.timings = {}
     try:
         t0 = time.perf_counter()
         sample = runner.run([prompt], params, 0, [0])[0][0]
         wall = time.perf_counter() - t0
+        timed = graphs.timings
     finally:
-        engine.graphs = timed._graphs
+        graphs.timings = None
     steps = max(sample.target_passes or 0, 1)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         runner.run([prompt], params, 0, [0])
@@ -470,14 +449,14 @@ def profile_config(runner: SpecairRunner, prompt: Sequence[int], params: Samplin
     total_self = sum(e.self_cpu_time_total for e in events) or 1
     matmul = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm", "aten::bmm",
                                                                      "aten::matmul", "aten::linear"))
-    graph_s = sum(timed.seconds.values())
+    graph_s = sum(s for s, _ in timed.values())
     return {
         "request_s": wall, "ttft_s": sample.ttft_s, "generated_tokens": sample.num_tokens, "steps": steps,
         "ms_per_step": 1e3 * (sample.total_s - sample.ttft_s) / steps,
         # Per graph kind: how often it ran, what one call costs, and its share of a step (prefill: of the TTFT).
-        "graphs": {k: {"calls": timed.calls[k], "ms_per_call": 1e3 * v / timed.calls[k],
-                       "ms_per_step": None if k.startswith("prefill") else 1e3 * v / steps}
-                   for k, v in timed.seconds.items()},
+        "graphs": {k: {"calls": n, "ms_per_call": 1e3 * v / n,
+                       "ms_per_step": None if k.endswith("prefill") else 1e3 * v / steps}
+                   for k, (v, n) in timed.items()},
         "host_ms_per_step": 1e3 * max(wall - graph_s, 0.0) / steps,  # everything outside the graphs
         # torch.profiler over a second, identical request (prefill included): operators by self CPU time.
         "matmul_share_of_op_time": matmul / total_self,
