@@ -27,9 +27,11 @@ from tqdm import tqdm
 from specair.compile.backends import BackendUnavailable, get_backend
 from specair.compile.catalog import Catalog
 from specair.compile.plan import Plan
+from specair.compile.graph_def import GraphKey
 from specair.compile.spec_config import SpeculativeConfig
 from specair.models.checkpoint import load_checkpoint
 from specair.models.llama import build_model, truncated
+from specair.runtime.build import make_proposer
 
 TREES = {"chain k=3": None, "kary:3x2": "kary:3x2", "mc_sim_7b_63": "mc_sim_7b_63"}
 
@@ -41,18 +43,18 @@ def catalogs(model, ctx: int) -> dict[str, Catalog]:
         spec = SpeculativeConfig.parse({"method": "layer_skip", "num_layers": 12, "num_speculative_tokens": k,
                                         "tree": tree})
         plan = Plan(max_context=ctx, batch_buckets=(1,), variants=("greedy", "filtered"), speculative=spec)
-        out[name] = Catalog(model, plan, truncated(model, 12))
+        out[name] = Catalog(model, plan, make_proposer(plan, model, truncated(model, 12)))
     return out
 
 
-def selected_keys(cats: dict[str, Catalog], ctx: int) -> list[tuple[str, str]]:
-    """(tree, key) pairs: prefill, decode and the chain draft once; verify and acceptance per tree."""
-    chain = cats["chain k=3"]
-    keys = [("chain k=3", chain.key("prefill.target", 1, ctx)), ("chain k=3", chain.key("decode", 1, ctx, "greedy")),
-            ("chain k=3", chain.key("draft", 1, ctx, "greedy"))]
+def selected_keys(cats: dict[str, Catalog], ctx: int) -> list[tuple[str, GraphKey]]:
+    """(tree, key) pairs: prefill, decode and the chain draft once; verify-and-accept per tree (greedy and
+    exact sampling)."""
+    keys = [("chain k=3", GraphKey("prefill", 1, ctx)), ("chain k=3", GraphKey("decode", 1, ctx, variant="greedy")),
+            ("chain k=3", GraphKey("draft", 1, ctx, variant="plain"))]
     for name, cat in cats.items():
-        keys.append((name, cat.key("verify", 1, ctx)))
-        keys.append((name, cat.key("accept", 1, variant="filtered", method="rejection")))
+        keys.append((name, cat.verify_key(1, ctx, "greedy")))
+        keys.append((name, cat.verify_key(1, ctx, "filtered")))
     return keys
 
 
@@ -121,7 +123,7 @@ def main() -> None:
         name = f"{tree}|{key}"
         med = {b: statistics.median(times[b][name]) * 1e3 for b in backends}
         report["graphs"][name] = {b: {"ms": med[b], "vs_eager": med["eager"] / med[b]} for b in backends}
-        label = key if tree == "chain k=3" or not key.startswith(("verify", "accept")) else f"{key} ({tree})"
+        label = key.name if tree == "chain k=3" or key.kind != "verify" else f"{key} ({tree})"
         print(f"{label:<52}" + "".join(f"{med[b]:9.2f} ms {med['eager'] / med[b]:4.2f}x"[:16].rjust(16)
                                          for b in backends))
     print("compile s: " + ", ".join(f"{b} {s:.1f}" for b, s in compile_s.items()))

@@ -31,6 +31,7 @@ import torch
 
 from specair.compile.backends import get_backend
 from specair.compile.catalog import Catalog
+from specair.compile.graph_def import GraphKey
 from specair.compile.plan import Plan
 from specair.models.checkpoint import load_checkpoint
 from specair.models.llama import build_model
@@ -66,29 +67,31 @@ def cold_load(args, quant: str, art: Path) -> dict:
     with torch.inference_mode():
         for key, g in graphs.items():  # a first call sizes each session's buffers
             fns[key](*g.example_inputs)
-    return {"load_s": round(load_s, 2), "graphs": list(graphs), "rss_added_mb_sessions": round(loaded),
+    return {"load_s": round(load_s, 2), "graphs": [k.name for k in graphs], "rss_added_mb_sessions": round(loaded),
             "rss_added_mb_after_a_call_each": round(rss_mb() - base)}
 
 
 def teacher_forced(run, cat: Catalog, ids: list[int], cont: list[int], ctx: int) -> int:
-    """How many of cont[1:] the decode step predicts after the fp32 prefix (run(key, *inputs) calls a graph;
-    the K/V are committed by hand)."""
+    """How many of cont[1:] the decode step predicts after the fp32 prefix (run(key, **inputs) calls a graph,
+    a GraphSet; the K/V are committed by hand)."""
     k, v = cat.target.empty_cache(1, cat.plan.slots)  # its own (the catalog's example caches are shared)
     chunk = cat.plan.prefill_chunk
     for start in range(0, len(ids), chunk):
         part = ids[start:start + chunk]
         toks = torch.zeros(1, chunk, dtype=torch.long)
         toks[0, :len(part)] = torch.tensor(part)
-        _, _, nk, nv = run(cat.key("prefill.target", 1, ctx), toks, torch.tensor([start]), torch.tensor([len(part)]),
-                           k, v)
+        out = run(GraphKey("prefill", 1, ctx), tokens=toks, cache_len=torch.tensor([start]),
+                  n_valid=torch.tensor([len(part)]), k_cache=k, v_cache=v)
+        nk, nv = out["new_k"], out["new_v"]
         k[..., start:start + chunk, :], v[..., start:start + chunk, :] = nk, nv
     pos, hits = len(ids), 0
-    key = cat.key("decode", 1, ctx, "greedy")
-    samp = [torch.zeros(1), torch.zeros(1, dtype=torch.long), torch.ones(1), torch.zeros(1)]
+    key = GraphKey("decode", 1, ctx, variant="greedy")
+    samp = {"temperature": torch.zeros(1), "top_k": torch.zeros(1, dtype=torch.long), "top_p": torch.ones(1),
+            "uniform": torch.zeros(1)}
     for tok, nxt in zip(cont[:-1], cont[1:], strict=True):
-        out, _, _, nk, nv = run(key, torch.tensor([tok]), torch.tensor([pos]), k, v, *samp)
-        k[..., pos:pos + 1, :], v[..., pos:pos + 1, :] = nk, nv
-        hits += int(out.item() == nxt)
+        out = run(key, tokens=torch.tensor([tok]), cache_len=torch.tensor([pos]), k_cache=k, v_cache=v, **samp)
+        k[..., pos:pos + 1, :], v[..., pos:pos + 1, :] = out["new_k"], out["new_v"]
+        hits += int(out["next_tokens"].item() == nxt)
         pos += 1
     return hits
 
@@ -151,22 +154,23 @@ def main() -> None:
     # 3. per-graph latency, round-robin
     cats = {n: Catalog(llm.engine.target, plan_for(model, args.ctx)) for n, llm in llms.items()}
     fns = {n: llm.engine.graphs for n, llm in llms.items()}
-    keys = [cats["eager"].key("decode", 1, args.ctx, "greedy"), cats["eager"].key("prefill.target", 1, args.ctx)]
+    keys = [GraphKey("decode", 1, args.ctx, variant="greedy"), GraphKey("prefill", 1, args.ctx)]
     lat: dict[str, dict[str, list[float]]] = {n: {k: [] for k in keys} for n in names}
     with torch.inference_mode():
         for key in keys:
-            inputs = cats["eager"].graph(key).example_inputs
+            graph = cats["eager"].graph(key)
+            inputs = dict(zip(graph.input_names, graph.example_inputs))
             for _ in range(2):
                 for n in names:
-                    fns[n](key, *inputs)
+                    fns[n](key, **inputs)
             for _ in range(args.reps):
                 for n in names:
                     t = time.perf_counter()
-                    fns[n](key, *inputs)
+                    fns[n](key, **inputs)
                     lat[n][key].append(time.perf_counter() - t)
     for n in names:
         report["configs"].setdefault(n.removeprefix("onnx-") if n != "eager" else "eager", {})["latency_ms"] = {
-            k: round(statistics.median(v) * 1e3, 2) for k, v in lat[n].items()}
+            k.name: round(statistics.median(v) * 1e3, 2) for k, v in lat[n].items()}
     print(json.dumps({n: report["configs"][n.removeprefix("onnx-")]["latency_ms"] for n in names}), file=sys.stderr)
 
     # 4. end to end, interleaved prompt by prompt

@@ -237,14 +237,14 @@ class SpecairRunner:
     larger batches are submitted together through LLM.generate."""
 
     def __init__(self, model: str | None, config: BenchConfig, max_context: int, batch_buckets: Sequence[int],
-                 threads: int | None) -> None:
+                 threads: int | None, device: str | None = None) -> None:
         from specair.runtime.llm import LLM
 
         spec = None if config.artifacts else config.speculative_config  # artifacts carry their own
         self.llm = LLM(model, spec, backend=config.backend, artifacts=config.artifacts,
                        dtype=config.dtype, max_context=None if config.artifacts else max_context,
                        batch_buckets=tuple(batch_buckets), threads=threads, max_waiting=max(64, *batch_buckets),
-                       quantize=None if config.artifacts else config.quantize)
+                       quantize=None if config.artifacts else config.quantize, device=device)
         self.tokenizer = self.llm.tokenizer
 
     def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams, rnd: int,
@@ -286,7 +286,7 @@ def make_runner(spec: dict[str, Any]) -> Runner:
     """Build a runner from its JSON description (also how the memory probe rebuilds it in a fresh process)."""
     if spec["kind"] == "specair":
         return SpecairRunner(spec["model"], BenchConfig(**spec["config"]), spec["max_context"],
-                             spec["batch_buckets"], spec["threads"])
+                             spec["batch_buckets"], spec["threads"], spec.get("device"))
     peer = spec["peer"]
     if peer in TRANSFORMERS_PEERS:
         if not spec.get("hf_dir"):
@@ -496,6 +496,7 @@ class BenchOptions:
     prompt_lookup_tokens: int = 10
     prompt_lookup_max_ngram: int = 3
     threads: int | None = None
+    device: str | None = None  # None: each backend's own device
     max_context: int = 1024
     out: str = "bench-out/bench"
     memory: bool = True
@@ -579,7 +580,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
             baseline_of.setdefault(c.baseline_key, c.label)
     for c in configs:
         spec = {"kind": "specair", "model": opts.model, "config": asdict(c), "max_context": opts.max_context,
-                "batch_buckets": buckets, "threads": threads}
+                "batch_buckets": buckets, "threads": threads, "device": opts.device}
         _log(f"bench: building {c.label}")
         runners[c.label] = make_runner(spec)
         base = c.label if c.speculative_config is None else baseline_of.get(c.baseline_key)
@@ -764,6 +765,7 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--acceptance", type=_csv(str), default=(),
                    help="acceptance methods to cross with every speculative config without one, e.g. rejection,typical")
     p.add_argument("--dtype", default="fp32", help="dtype for configurations that name none")
+    p.add_argument("--device", help="where specair's models and graph inputs live (default: each backend's device)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens for every prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -817,7 +819,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         seed=args.seed, batch_sizes=args.batch_sizes, rounds=args.rounds, warmup_tokens=args.warmup_tokens,
         peers=peers, hf_model=args.hf_model, gguf=args.gguf, assistant=args.assistant,
         prompt_lookup_tokens=args.prompt_lookup_tokens, prompt_lookup_max_ngram=args.prompt_lookup_max_ngram,
-        threads=args.threads, max_context=args.max_context, out=args.out, memory=not args.no_memory,
+        threads=args.threads, device=args.device, max_context=args.max_context, out=args.out, memory=not args.no_memory,
         plots=not args.no_plots, profile=args.profile, progress=not args.no_progress,
         command=shlex.join(["specair", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else "specair bench")
 

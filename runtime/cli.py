@@ -77,7 +77,7 @@ def _engine(args: argparse.Namespace):
     parse_spec(args.speculative_config)  # fail on a bad config before loading anything
     return open_engine(args.model, args.dtype, args.speculative_config, args.backend, args.artifacts,
                        args.max_context, args.threads, getattr(args, "batch_buckets", (1,)),
-                       quantize=getattr(args, "quantize", None))
+                       quantize=getattr(args, "quantize", None), device=getattr(args, "device", None))
 
 
 def _stream(engine, ids: list[int], params, echo: bool):
@@ -180,6 +180,7 @@ def _sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--backend", help="compile graphs with this backend as they are first needed (default eager)")
+    p.add_argument("--device", help="where models, caches and graph inputs live (default: the backend's device: cpu, cuda for the cuda backend, npu for npu)")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES,
                    help="onnx: weight-only quantization of every linear layer (int4: MatMulNBits blocks of 32 like "
                         "GGUF Q4_1; int8: 8-bit blocks of 32 like Q8_0); default none, or what --artifacts hold")

@@ -25,10 +25,11 @@ class LLM:
     def __init__(self, model: str | None = None, speculative_config: dict | str | None = None, *,
                  backend: str = "eager", artifacts: str | None = None, dtype: str = "fp32",
                  max_context: int | None = None, batch_buckets: tuple[int, ...] = (1, 2, 4, 8),
-                 threads: int | None = None, max_waiting: int = 64, quantize: str | None = None) -> None:
+                 threads: int | None = None, max_waiting: int = 64, quantize: str | None = None,
+                 device: str | None = None) -> None:
         self.engine: Engine = open_engine(model, dtype, speculative_config, None if artifacts else backend,
                                           artifacts, max_context, threads, tuple(batch_buckets), max_waiting,
-                                          quantize=quantize)
+                                          quantize=quantize, device=device)
         self.tokenizer = self.engine.tokenizer
 
     @classmethod

@@ -565,6 +565,7 @@ def add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--speculative-config", metavar="JSON",
                    help='e.g. \'{"method": "layer_skip", "num_layers": 8, "num_speculative_tokens": 4}\'')
     p.add_argument("--backend", help="compile graphs with this backend as they are first needed (default eager)")
+    p.add_argument("--device", help="where models, caches and graph inputs live (default: the backend's device: cpu, cuda for the cuda backend, npu for npu)")
     p.add_argument("--artifacts", metavar="DIR", help="serve from a `specair compile` directory, compiling nothing")
     p.add_argument("--quantize", choices=("none", "int4", "int8"),
                    help="onnx backend: weight-only quantization of every linear layer and the LM head")
@@ -594,7 +595,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         extra["quantize"] = args.quantize
     llm = LLM(args.model, args.speculative_config, artifacts=args.artifacts, dtype=args.dtype,
               max_context=args.max_context, batch_buckets=args.batch_buckets, threads=args.threads,
-              max_waiting=args.max_waiting, **extra)
+              max_waiting=args.max_waiting, device=args.device, **extra)
     app = build_app(llm.engine, served_model_name=args.served_model_name, batch_buckets=args.batch_buckets,
                     model_root=args.model)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
