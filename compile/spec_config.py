@@ -16,6 +16,18 @@ ACCEPTANCE = ("rejection", "greedy", "typical")
 SCORERS = ("tree", "batch_expansion")
 
 
+def config_dict(spec: str | dict[str, Any]) -> dict[str, Any]:
+    """A speculative config given as JSON text or a dict, as a dict (InputError otherwise)."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise InputError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise InputError("--speculative-config must be a JSON object")
+    return spec
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How to speculate: proposer, lookahead, tree, acceptance method."""
@@ -37,13 +49,7 @@ class SpeculativeConfig:
     def parse(cls, spec: str | dict[str, Any]) -> "SpeculativeConfig":
         """Parse a JSON string or dict with the checks every method shares; raise InputError naming any
         unknown key or bad value (`runtime.proposers.parse_config` adds the method's own checks)."""
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as e:
-                raise InputError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(spec, dict):
-            raise InputError("--speculative-config must be a JSON object")
+        spec = config_dict(spec)
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(spec) - known)
         if unknown:

@@ -21,7 +21,7 @@ from torch import Tensor
 from specair.compile.catalog import Catalog, GraphSpec
 from specair.compile.graph_def import GraphKey
 from specair.compile.plan import Plan
-from specair.compile.spec_config import SpeculativeConfig
+from specair.compile.spec_config import SpeculativeConfig, config_dict
 from specair.models.errors import InputError
 
 if TYPE_CHECKING:
@@ -50,14 +50,7 @@ def parse_config(spec: str | dict[str, Any] | SpeculativeConfig | None) -> Specu
     says what they run with."""
     if spec is None or isinstance(spec, SpeculativeConfig):
         return spec
-    raw = spec
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise InputError(f"--speculative-config is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise InputError("--speculative-config must be a JSON object")
+    raw = config_dict(spec)
     cls = proposer_class(raw.get("method"))
     if "num_speculative_tokens" not in raw:
         raw = {**cls.config_defaults(raw.get("model")), **raw}
