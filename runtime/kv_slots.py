@@ -22,6 +22,7 @@ from specair.compile.plan import Plan
 from specair.graphs.kv import commit_kv
 
 Caches = tuple[Tensor, Tensor]
+PROMPT_PREFILL = {"target": "prefill", "draft": "draft_prefill"}  # the graph kind that fills each role's scratch
 
 
 class KVSlots:
@@ -41,11 +42,11 @@ class KVSlots:
                         self._pool[r, b] = m.empty_cache(b, plan.slots, device)
                         for name, t in zip(("k_cache", "v_cache"), self._pool[r, b]):
                             graphs.bind(name, t, r)
-                # The target's scratch feeds only its prefill graphs; a proposer's prefill graph at bucket 1
-                # also runs on its bucket-1 cache, so prompt chunks copy its (small) scratch in.
-                for c in plan.ctx_buckets:
-                    for name, t in zip(("k_cache", "v_cache"), self.scratch["target"]):
-                        graphs.bind(name, t, "target", GraphKey("prefill", 1, c))
+                # The scratch caches feed only the prompt-prefill graphs.
+                for r in models:
+                    for c in plan.ctx_buckets:
+                        for name, t in zip(("k_cache", "v_cache"), self.scratch[r]):
+                            graphs.bind(name, t, r, GraphKey(PROMPT_PREFILL[r], 1, c))
 
     def __getitem__(self, role: str) -> dict[str, Tensor]:
         """The current bucket's caches of a role, as graph inputs."""

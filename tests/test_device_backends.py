@@ -546,3 +546,18 @@ def test_cuda_bind_after_capture_is_refused(cuda_model, tmp_path):
     be.compile(make_graph("prefill", cuda_model, device="cuda", caches=kv), tmp_path)
     with pytest.raises(SpecairError, match="before compile/load"):
         be.bind_static("k_cache", kv[0])
+
+
+def test_runtime_binds_caches_for_a_static_buffer_backend():
+    """scripts/gpu_check.py on the CPU with `cuda-sim` (the cuda backend's binding and copy logic, each replay
+    a rerun of the module): every proposer lossless and drafting as on eager, zero captures after start-up,
+    and no KV cache ever copied into a static buffer."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    r = subprocess.run([sys.executable, str(script), "--device", "cpu", "--backends", "eager,cuda-sim",
+                        "--skip-latency"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " 0 failed" in r.stdout

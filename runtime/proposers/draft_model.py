@@ -49,14 +49,17 @@ class CachedDraft(Proposer):
         return GraphKey("draft", B, ctx, variant=Catalog.sampled(variant) if chain else "")
 
     def graph_keys(self, plan: Plan) -> list[GraphKey]:
-        return [k for b in plan.batch_buckets for c in plan.ctx_buckets
-                for k in [GraphKey("draft_prefill", b, c)] + [self.draft_key(b, c, v) for v in plan.variants]]
+        # Prompts prefill into the one-row scratch cache ("draft_prefill"), running rows catch up in their
+        # own cache ("draft_sync"): two graphs, so a static-buffer backend binds each to its own memory.
+        return [GraphKey("draft_prefill", 1, c) for c in plan.ctx_buckets] + [
+            k for b in plan.batch_buckets for c in plan.ctx_buckets
+            for k in [GraphKey("draft_sync", b, c)] + [self.draft_key(b, c, v) for v in plan.variants]]
 
     def build_graph(self, key: GraphKey, cat: Catalog) -> GraphSpec:
         B, D, tree = key.batch, self.depth, self.tree
         caches = cat.caches(self.draft, B)
         H = cat.hidden_size
-        if key.kind == "draft_prefill":
+        if key.kind in ("draft_prefill", "draft_sync"):
             chunk = self.plan.prefill_chunk
             inputs = {"tokens": cat.zeros(B, chunk), "cache_len": cat.zeros(B),
                       "n_valid": torch.ones(B, dtype=L, device=cat.device), **caches}
@@ -143,7 +146,7 @@ class CachedDraft(Proposer):
                 for i, s in enumerate(rows):
                     h[i, :n[i]] = s.draft.hidden[:n[i]]
                 extra["input_hidden"] = h
-            key = GraphKey("draft_prefill", B, self.plan.context_bucket(max(max(lengths), 1)))
+            key = GraphKey("draft_sync", B, self.plan.context_bucket(max(max(lengths), 1)))
             out = self.graphs(key, tokens=tokens.to(self.device), cache_len=start,
                               n_valid=torch.tensor(n + [0] * (B - len(n)), device=self.device), **self.kv["draft"],
                               **extra)
