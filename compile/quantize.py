@@ -23,7 +23,11 @@ Schemes (`SCHEMES`):
   on SmolLM2-135M, whose linear weights come from a Q4_1 GGUF (an exact Q4_1 requantization reproduces
   every one of them; only the tied embedding table is not Q4_1 in that file): relative RMS weight error
   0.084 asymmetric, 0.090 symmetric, over every 2-D weight. So int4 here is a second rounding of those
-  weights, where llama.cpp reads them as they are. accuracy_level 4 makes MLAS quantize the activations to
+  weights, where llama.cpp reads them as they are — unless a weight IS Q4_1 blocks: then (`q4_1_blocks`)
+  its q, d and m are read back exactly from the loader's d*q + m and the layer computes the checkpoint's
+  own weights as MatMulNBits(x; q, d, zero point 0) + blocksum(x) @ m^T, the minima's part in float
+  (onnxruntime's float zero points would do it in one operator, but its CPU kernel runs them ~65x slower:
+  134 ms against 2 ms for SmolLM2's LM head shape at one row, measured here). accuracy_level 4 makes MLAS quantize the activations to
   int8 per block and use integer dot products, which is what llama.cpp does on CPU for Q4_1 (activations as
   Q8_1); accuracy_level 0 (float activations) measured 3.6x slower on SmolLM2's LM head at batch 1 here.
 - `int8`: `MatMulNBits` again, 8 bits, blocks of 32, symmetric (GGUF Q8_0's shape: one scale per block of
@@ -131,9 +135,61 @@ def _run_tool(q: Quantization, wt: np.ndarray):
         log.setLevel(level)
 
 
+def q4_1_blocks(w: Tensor, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """If every block of `block` weights along K is exactly d*q + m with q in 0..15 (a GGUF Q4_1 block, as
+    the loader dequantized it), return q [N, K] uint8, d and m [N, K/block] float32; else None."""
+    w32 = w.detach().to(torch.float32)
+    N, K = w32.shape
+    if K % block:
+        return None
+    b = w32.reshape(N, K // block, block).double()
+    m, top = b.amin(-1), b.amax(-1)
+    d = (top - m) / 15
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    qs = ((b - m[..., None]) / safe[..., None]).round().clamp(0, 15)
+    # Exact up to the float32 rounding of the loader's own d*q + m.
+    err = (qs * d[..., None] + m[..., None] - b).abs()
+    scale = (m.abs() + 15 * d)[..., None]
+    if not bool((err <= 4 * torch.finfo(torch.float32).eps * scale).all()):
+        return None
+    return (qs.to(torch.uint8).reshape(N, K).numpy(), d.float().numpy(), m.float().numpy())
+
+
+def _q4_1_template(q: Quantization, blocks: tuple[np.ndarray, np.ndarray, np.ndarray]) -> _Template:
+    """y = x W^T for W = d*q + m per block, exactly: MatMulNBits over (d, q) with zero points 0, plus the
+    blocks' minima times the per-block sums of x (one small float MatMul)."""
+    from onnx import helper, numpy_helper
+
+    qs, d, m = blocks
+    N, K = qs.shape
+    nb = K // q.block_size
+    packed = (qs[:, 0::2] | (qs[:, 1::2] << 4)).astype(np.uint8).reshape(N, nb, q.block_size // 2)
+    zeros = np.zeros(N * ((nb + 1) // 2), dtype=np.uint8)
+    X, W, Y = _PLACEHOLDER_X, _PLACEHOLDER_W, _PLACEHOLDER_Y
+    const = lambda name, v: helper.make_node("Constant", [], [name], name=name,  # noqa: E731 (inline: shape inference reads them)
+                                             value=numpy_helper.from_array(np.array(v, dtype=np.int64), name))
+    nodes = [
+        const("block_shape", [-1, nb, q.block_size]), const("block_axis", [2]),
+        helper.make_node("MatMulNBits", [X, W + "_Q4", W + "_scales", W + "_zero_points"], ["scaled"],
+                         name="q4", domain="com.microsoft", K=K, N=N, bits=4, block_size=q.block_size,
+                         accuracy_level=q.accuracy_level),
+        helper.make_node("Reshape", [X, "block_shape"], ["blocked"], name="blocks"),
+        helper.make_node("ReduceSum", ["blocked", "block_axis"], ["block_sums"], name="block_sums", keepdims=0),
+        helper.make_node("MatMul", ["block_sums", W + "_mins"], ["offsets"], name="mins"),
+        helper.make_node("Add", ["scaled", "offsets"], [Y], name="y"),
+    ]
+    arrays = {"_Q4": packed, "_scales": d.reshape(-1).astype(np.float32), "_zero_points": zeros,
+              "_mins": np.ascontiguousarray(m.T.astype(np.float32))}
+    return _Template(nodes, arrays, {"com.microsoft": 1})
+
+
 def _template(q: Quantization, w: Tensor) -> _Template:
     from onnx import numpy_helper
 
+    if q.bits == 4 and not q.symmetric:
+        blocks = q4_1_blocks(w, q.block_size)
+        if blocks is not None:
+            return _q4_1_template(q, blocks)
     w32 = w.detach().to(torch.float32)
     N, K = w32.shape
     rows = max(1, min(N, _CHUNK_BYTES // (4 * K)))

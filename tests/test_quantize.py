@@ -6,6 +6,7 @@ refused with the command that rebuilds."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -18,7 +19,8 @@ from specair.compile.backends.onnx import WEIGHTS_INDEX, OnnxBackend
 from specair.compile.catalog import Catalog
 from specair.compile.graph_def import GraphKey
 from specair.compile.plan import Plan
-from specair.compile.quantize import SCHEMES, parse_quantize
+from specair.compile import quantize
+from specair.compile.quantize import SCHEMES, parse_quantize, q4_1_blocks
 from specair.compile.spec_config import SpeculativeConfig
 from specair.models.checkpoint import load_checkpoint
 from specair.models.errors import InputError
@@ -158,3 +160,41 @@ def test_quantize_option_is_checked():
         OnnxBackend(self_contained=True, quantize="int4")
     with pytest.raises(InputError, match="unknown quantization"):
         OnnxBackend(quantize="int2")
+
+
+def _to_q4_1(w: torch.Tensor) -> torch.Tensor:
+    """w rounded onto GGUF Q4_1 blocks of 32 (fp16 scale d and minimum m, w = d*q + m), as the loader
+    dequantizes them."""
+    N, K = w.shape
+    b = w.reshape(N, K // 32, 32)
+    m = b.amin(-1).half().float()
+    d = ((b.amax(-1) - m) / 15).half().float()
+    q = ((b - m[..., None]) / d[..., None]).round().clamp(0, 15)
+    return (q * d[..., None] + m[..., None]).reshape(N, K)
+
+
+def test_q4_1_weights_are_read_back_exactly_and_beat_a_second_rounding(model, prefill_inputs, tmp_path, monkeypatch):
+    """A checkpoint whose linear weights are Q4_1 blocks: int4 reads back their own q, d and m (no second
+    rounding), and its graph lands closer to fp32 than requantizing the same weights with onnxruntime's tool."""
+    assert q4_1_blocks(model.layers[0].attention.wqkv.weight) is None  # random weights are no Q4_1 blocks
+    q41 = copy.deepcopy(model)
+    with torch.no_grad():
+        for mod in q41.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.weight.copy_(_to_q4_1(mod.weight))
+    for mod in q41.modules():
+        if isinstance(mod, torch.nn.Linear):
+            qs, d, m = q4_1_blocks(mod.weight)
+            N, K = qs.shape
+            back = torch.from_numpy(qs).reshape(N, K // 32, 32).float() * torch.from_numpy(d)[..., None] \
+                + torch.from_numpy(m)[..., None]
+            assert torch.allclose(back.reshape(N, K), mod.weight, rtol=0, atol=1e-6)
+    graph = _catalog(q41).graph(GraphKey("prefill", 1, CTX))
+    ref = graph.eager(*prefill_inputs)[0]
+    rel = lambda out: ((out - ref).abs().max() / ref.abs().max()).item()  # noqa: E731
+    exact = OnnxBackend(threads=1, quantize="int4").compile(graph, tmp_path / "exact")(*prefill_inputs)[0]
+    proto = onnx.load(str(tmp_path / "exact" / f"{graph.key}.onnx"), load_external_data=False)
+    assert sum(n.op_type == "MatMulNBits" for n in proto.graph.node) == N_LINEAR
+    monkeypatch.setattr(quantize, "q4_1_blocks", lambda w, block=32: None)  # the tool's asymmetric rounding
+    again = OnnxBackend(threads=1, quantize="int4").compile(graph, tmp_path / "tool")(*prefill_inputs)[0]
+    assert rel(exact) < rel(again)
