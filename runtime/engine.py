@@ -18,6 +18,7 @@ import torch
 
 from specair.compile.artifacts import GraphSet
 from specair.compile.graph_def import GraphKey
+from specair.compile.plan import VARIANTS
 from specair.graphs.sampling import sample
 from specair.models.errors import InputError
 from specair.runtime.batch_state import BatchState
@@ -26,8 +27,6 @@ from specair.runtime.output import Output
 from specair.runtime.params import SamplingParams, StreamEvent
 from specair.runtime.proposers import Proposer, Step
 from specair.runtime.scheduler import QueueFullError, Scheduler, Seq  # noqa: F401 (QueueFullError: public)
-
-VARIANT_ORDER = ("greedy", "plain", "filtered")
 
 
 class Engine:
@@ -170,7 +169,7 @@ class Engine:
     def _decode(self) -> list[StreamEvent]:
         B = self.kv.B
         self.bucket_steps[B] += 1
-        variant = self.plan.variant_for(max((s.req.variant for s in self.rows), key=VARIANT_ORDER.index))
+        variant = self.plan.variant_for(max((s.req.variant for s in self.rows), key=VARIANTS.index))
         if self.sched.speculates() and self.proposer.can_speculate(self.rows):
             per_row = self._speculative_step(B, variant)
         else:
