@@ -1,6 +1,6 @@
 """Peers for `specair bench` on the same weights: HF transformers `generate()` (greedy, prompt lookup,
-assisted by a draft model) and llama.cpp through llama-cpp-python (plain and with its prompt-lookup
-draft). Each runs the same token ids as specair; the harness times them the same way: time to the
+assisted by a draft model), llama.cpp through llama-cpp-python (plain and with its prompt-lookup
+draft) and OpenVINO GenAI's `LLMPipeline` over an optimum-intel int4 export (plain and prompt lookup). Each runs the same token ids as specair; the harness times them the same way: time to the
 first generated token and to the last, from the tokens each engine streams out.
 
 Peers are optional (the `peers` extra): a missing one raises PeerUnavailable, which the harness turns
@@ -21,7 +21,10 @@ from specair.runtime.params import SamplingParams
 
 TRANSFORMERS_PEERS = ("hf", "hf-prompt-lookup", "hf-assisted")
 LLAMACPP_PEERS = ("llama.cpp", "llama.cpp-prompt-lookup")
-PEERS = TRANSFORMERS_PEERS + LLAMACPP_PEERS
+OPENVINO_PEERS = ("openvino", "openvino-prompt-lookup")
+PEERS = TRANSFORMERS_PEERS + LLAMACPP_PEERS + OPENVINO_PEERS
+OPENVINO_EXPORT = ("--task", "text-generation-with-past", "--weight-format", "int4", "--group-size", "32",
+                   "--ratio", "1.0")  # optimum-cli export openvino: every linear layer int4 asymmetric, blocks of 32
 
 
 class PeerUnavailable(SpecairError):
@@ -30,7 +33,12 @@ class PeerUnavailable(SpecairError):
 
 def peer_baseline(peer: str) -> str:
     """The entry a peer's speedup is measured against: its own engine's plain decoding."""
-    return "hf" if peer in TRANSFORMERS_PEERS else "llama.cpp"
+    return "hf" if peer in TRANSFORMERS_PEERS else "llama.cpp" if peer in LLAMACPP_PEERS else "openvino"
+
+
+def peer_engine(peer: str) -> str:
+    """The engine a peer runs on, as the report names it."""
+    return {"hf": "transformers", "llama.cpp": "llama.cpp", "openvino": "OpenVINO GenAI"}[peer_baseline(peer)]
 
 
 class _StepClock:
@@ -189,3 +197,101 @@ class LlamaCppPeer:
         t_end = time.perf_counter()
         return [Sample(indices[0], rnd, out, (t_first or t_end) - t0, t_end - t0,
                        target_passes=max(self.passes - 1, 0))], t_end - t0
+
+
+def openvino_export(hf_dir: str, cache_root: Path) -> Path:
+    """The optimum-intel int4 export of an HF checkpoint dir for OpenVINO GenAI, made once into the cache
+    (keyed by the checkpoint's config and weights files' sizes and times) and reused afterwards."""
+    import hashlib
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("optimum-cli") is None and importlib.util.find_spec("optimum.intel") is None:
+        raise PeerUnavailable("the OpenVINO GenAI peer exports the model with optimum-intel, which is not installed "
+                              "(pip install 'specair[peers]')")
+    src = Path(hf_dir)
+    stamp = hashlib.sha256(repr(sorted((f.name, f.stat().st_size, int(f.stat().st_mtime))
+                                       for f in src.iterdir() if f.is_file())).encode()).hexdigest()[:16]
+    out = cache_root / "peers" / f"openvino-int4-g32-{stamp}"
+    if (out / "openvino_model.xml").is_file() and (out / "openvino_tokenizer.xml").is_file():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"bench: exporting {src} for OpenVINO GenAI (optimum-cli export openvino {' '.join(OPENVINO_EXPORT)}), "
+          "once", file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "optimum.commands.optimum_cli", "export", "openvino", "--model", str(src),
+           *OPENVINO_EXPORT, str(tmp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not (tmp / "openvino_model.xml").is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise PeerUnavailable(f"optimum-cli export openvino failed: {' / '.join(tail)}")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+class OpenVinoGenAIPeer:
+    """OpenVINO GenAI's LLMPipeline on CPU over the int4 export, batch 1, plain or with prompt lookup."""
+
+    def __init__(self, peer: str, hf_dir: str, cache_root: Path, *, prompt_lookup_tokens: int = 10,
+                 prompt_lookup_max_ngram: int = 2, threads: int | None = None) -> None:
+        if importlib.util.find_spec("openvino_genai") is None:
+            raise PeerUnavailable("openvino-genai is not installed (pip install 'specair[peers]')")
+        import openvino_genai as og
+
+        self.og, self.peer = og, peer
+        self.path = openvino_export(hf_dir, cache_root)
+        props: dict[str, Any] = {"INFERENCE_NUM_THREADS": threads} if threads else {}
+        if peer == "openvino-prompt-lookup":
+            props["prompt_lookup"] = True
+        self.pipe = og.LLMPipeline(str(self.path), "CPU", **props)
+        self.prompt_lookup_tokens, self.max_ngram = prompt_lookup_tokens, prompt_lookup_max_ngram
+        self.eos_ids = set(self.pipe.get_generation_config().stop_token_ids) or {
+            self.pipe.get_tokenizer().get_eos_token_id()}
+
+    def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams, rnd: int,
+            indices: Sequence[int]) -> tuple[list[Sample], float]:
+        if len(prompts) != 1:
+            raise PeerUnavailable("the OpenVINO GenAI peer runs one sequence at a time")
+        import numpy as np
+        import openvino as ov
+
+        og = self.og
+        cfg = self.pipe.get_generation_config()
+        cfg.max_new_tokens = params.max_tokens
+        cfg.ignore_eos = params.ignore_eos
+        cfg.repetition_penalty = 1.0
+        if params.temperature == 0:
+            cfg.do_sample = False
+        else:
+            cfg.do_sample, cfg.temperature, cfg.top_p = True, params.temperature, params.top_p
+            cfg.top_k = params.top_k or 0
+            if params.seed is not None:
+                cfg.rng_seed = params.seed
+        if self.peer == "openvino-prompt-lookup":
+            cfg.num_assistant_tokens, cfg.max_ngram_size = self.prompt_lookup_tokens, self.max_ngram
+        out: list[int] = []
+        stamps: list[float] = []
+
+        class Clock(og.StreamerBase):  # one write per target pass (a list when prompt lookup accepts several)
+            def write(self, token):  # noqa: ANN001 (pybind passes int or list[int])
+                stamps.append(time.perf_counter())
+                out.extend(token if isinstance(token, list) else [token])
+                return og.StreamingStatus.RUNNING
+
+            def end(self) -> None:
+                pass
+
+        ids = ov.Tensor(np.asarray([list(prompts[0])], dtype=np.int64))
+        t0 = time.perf_counter()
+        self.pipe.generate(ids, cfg, Clock())
+        t_end = time.perf_counter()
+        if not params.ignore_eos:
+            for i, t in enumerate(out):
+                if t in self.eos_ids:
+                    out = out[:i + 1]
+                    break
+        t_first = (stamps[0] if stamps else t_end) - t0
+        return [Sample(indices[0], rnd, out[:params.max_tokens], t_first, (stamps[-1] if stamps else t_end) - t0,
+                       target_passes=max(len(stamps) - 1, 0))], t_end - t0

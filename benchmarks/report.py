@@ -61,7 +61,7 @@ class Entry:
     """Everything measured for one configuration or peer."""
 
     name: str
-    engine: str  # "specair", "transformers" or "llama.cpp"
+    engine: str  # "specair", "transformers", "llama.cpp" or "OpenVINO GenAI"
     baseline: str  # the entry whose per-prompt speed this one's speedup is measured against
     runner: dict[str, Any]  # how to rebuild it (run.make_runner input)
     samples: list[Sample] = field(default_factory=list)
@@ -253,7 +253,8 @@ def markdown_report(report: dict[str, Any]) -> str:
              f"{env.get('torch_threads')} torch threads, load average {env.get('loadavg_start')} at start), "
              f"{env.get('platform')}. torch {env['versions'].get('torch')}, transformers "
              f"{env['versions'].get('transformers')}, onnxruntime {env['versions'].get('onnxruntime')}, "
-             f"llama-cpp-python {env['versions'].get('llama_cpp_python')}."), "",
+             f"llama-cpp-python {env['versions'].get('llama_cpp_python')}, OpenVINO GenAI "
+             f"{env['versions'].get('openvino_genai')} (optimum-intel {env['versions'].get('optimum_intel')})."), "",
              (f"{report['num_prompts']} prompts × {report['rounds']} round(s), "
              f"{'greedy' if report['greedy'] else 'sampling ' + json.dumps(report['sampling'])}, "
              f"max {report['max_tokens']} new tokens{' (EOS ignored)' if report['ignore_eos'] else ''}, "
@@ -309,7 +310,8 @@ def plot_all(summary: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
     from matplotlib.patches import Patch
 
     written = []
-    colors = {"specair": "tab:blue", "transformers": "tab:orange", "llama.cpp": "tab:green"}
+    colors = {"specair": "tab:blue", "transformers": "tab:orange", "llama.cpp": "tab:green",
+              "OpenVINO GenAI": "tab:purple"}
     names = list(summary)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.45 * len(names) + 1.8), sharey=True)
     ys = range(len(names))

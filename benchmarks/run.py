@@ -26,8 +26,8 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from specair.benchmarks.peers import (LLAMACPP_PEERS, PEERS, TRANSFORMERS_PEERS, LlamaCppPeer, PeerUnavailable,
-                                      TransformersPeer, peer_baseline)
+from specair.benchmarks.peers import (OPENVINO_PEERS, PEERS, TRANSFORMERS_PEERS, LlamaCppPeer, OpenVinoGenAIPeer,
+                                      PeerUnavailable, TransformersPeer, peer_baseline, peer_engine)
 from specair.benchmarks.report import (BatchRun, Entry, Sample, markdown_report, markdown_table, plot_all,
                                        summarize, write_json)
 from specair.models.errors import InputError
@@ -246,6 +246,7 @@ class SpecairRunner:
                        batch_buckets=tuple(batch_buckets), threads=threads, max_waiting=max(64, *batch_buckets),
                        quantize=None if config.artifacts else config.quantize, device=device)
         self.tokenizer = self.llm.tokenizer
+        self.llm.engine.graphs.load_pending()
 
     def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams, rnd: int,
             indices: Sequence[int]) -> tuple[list[Sample], float]:
@@ -279,7 +280,8 @@ def peer_label(peer: str, spec: dict[str, Any]) -> str:
     n = spec.get("prompt_lookup_tokens")
     return {"hf": "transformers", "hf-prompt-lookup": f"transformers prompt lookup n={n}",
             "hf-assisted": f"transformers assisted ({Path(spec.get('assistant') or '').name})",
-            "llama.cpp": "llama.cpp", "llama.cpp-prompt-lookup": f"llama.cpp prompt lookup n={n}"}[peer]
+            "llama.cpp": "llama.cpp", "llama.cpp-prompt-lookup": f"llama.cpp prompt lookup n={n}",
+            "openvino": "OpenVINO GenAI int4", "openvino-prompt-lookup": f"OpenVINO GenAI int4 prompt lookup n={n}"}[peer]
 
 
 def make_runner(spec: dict[str, Any]) -> Runner:
@@ -294,6 +296,13 @@ def make_runner(spec: dict[str, Any]) -> Runner:
         return TransformersPeer(peer, spec["hf_dir"], assistant=spec.get("assistant"),
                                 prompt_lookup_tokens=spec["prompt_lookup_tokens"],
                                 prompt_lookup_max_ngram=spec["prompt_lookup_max_ngram"], threads=spec["threads"])
+    if peer in OPENVINO_PEERS:
+        if not spec.get("hf_dir"):
+            raise PeerUnavailable("no HF checkpoint dir of the model to export for OpenVINO GenAI (pass --hf-model)")
+        from specair.models.default_model import cache_dir
+
+        return OpenVinoGenAIPeer(peer, spec["hf_dir"], cache_dir(), prompt_lookup_tokens=spec["prompt_lookup_tokens"],
+                                 prompt_lookup_max_ngram=spec["prompt_lookup_max_ngram"], threads=spec["threads"])
     if not spec.get("gguf"):
         raise PeerUnavailable("no GGUF file of the model for llama.cpp (pass --gguf)")
     return LlamaCppPeer(peer, spec["gguf"], max_context=spec["max_context"],
@@ -343,7 +352,8 @@ def environment() -> dict[str, Any]:
         "git": commit,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": _version("transformers"), "onnxruntime": _version("onnxruntime"),
-                     "llama_cpp_python": _version("llama_cpp_python"), "numpy": _version("numpy"),
+                     "llama_cpp_python": _version("llama_cpp_python"),
+                     "openvino_genai": _version("openvino-genai"), "optimum_intel": _version("optimum-intel"), "numpy": _version("numpy"),
                      "specair": _version("specair")},
     }
 
@@ -611,7 +621,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
             except PeerUnavailable as e:
                 notes.append(f"peer {name} skipped: {e}")
                 continue
-            peer_entries[name] = Entry(name, "llama.cpp" if p in LLAMACPP_PEERS else "transformers", base, spec)
+            peer_entries[name] = Entry(name, peer_engine(p), base, spec)
         entries += peer_entries.values()
         if any(e.engine == "llama.cpp" for e in entries):
             notes += [n for n in peer_notes if "llama.cpp" in n]

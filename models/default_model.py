@@ -39,7 +39,7 @@ def cache_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _lock(name: str) -> Iterator[None]:
+def cache_lock(name: str) -> Iterator[None]:
     """An exclusive inter-process lock on a file in the cache (a no-op where fcntl is missing)."""
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
@@ -61,7 +61,7 @@ def default_gguf_path() -> Path:
     path = cache_dir() / GGUF_NAME
     if path.is_file():
         return path
-    with _lock("gguf"):
+    with cache_lock("gguf"):
         if not path.is_file():
             _fetch_gguf(path)
     return path
@@ -113,7 +113,7 @@ def default_model_dir(dtype: torch.dtype = torch.float32, progress: bool = True)
     if (out / "config.json").is_file():
         return out
     gguf_path = default_gguf_path()
-    with _lock(out.name):
+    with cache_lock(out.name):
         if not (out / "config.json").is_file():
             from specair.models.gguf_loader import convert_gguf_to_hf_dir
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from specair.compile.artifacts import GraphSet, compile_artifacts, load_artifacts, read_manifest, tokenizer_fingerprint
-from specair.compile.backends import get_backend
+from specair.compile.artifacts import (ArtifactError, GraphSet, compile_artifacts, load_artifacts, quantization,
+                                       read_manifest, tokenizer_fingerprint, versions)
+from specair.compile.backends import BackendUnavailable, get_backend
 from specair.compile.catalog import Catalog
 from specair.compile.plan import VARIANTS, Plan
 from specair.compile.spec_config import SpeculativeConfig
@@ -109,6 +110,48 @@ def _log_spec(plan: Plan, backend: str) -> None:
             f"acceptance={s.acceptance}, backend={backend})")
 
 
+AUTO = "auto"
+AUTO_MAX_CONTEXT = 2048  # the cached build's default context: 6 context buckets, compiled once in ~5 minutes
+AUTO_VARIANTS = ("greedy", "filtered")  # plain sampling rows run exactly on the filtered graphs
+
+
+def auto_backend(model: str | None, quantize: str | None = None) -> tuple[str, str | None]:
+    """What `--backend auto` runs: onnxruntime where it is installed (else eager), with the default model's
+    Q4_1 weights read exactly as int4 (`--quantize` overrides; other checkpoints keep float weights)."""
+    try:
+        get_backend("onnx")
+    except BackendUnavailable:
+        return "eager", None
+    return "onnx", quantize if quantize is not None else ("int4" if model is None else None)
+
+
+def cached_artifacts(models: Models, plan: Plan, backend: Any, model: str | None, *,
+                     progress: bool = True) -> tuple[Path, dict[str, Any]]:
+    """The artifact directory of this (models, plan, backend) in specair's cache, compiled once (with a
+    progress bar) and reused by every later run; rebuilt when its manifest no longer matches (another
+    specair, onnxruntime or torch; changed weights). Returns the directory and its manifest."""
+    import hashlib
+
+    from specair.models.default_model import cache_dir, cache_lock
+
+    key = {"fingerprints": models.fingerprints, "plan": plan.to_json(), "backend": backend.name,
+           "quantization": quantization(backend), "versions": versions(backend)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    art = cache_dir() / "artifacts" / f"{backend.name}-{digest}"
+    with cache_lock(f"artifacts-{digest}"):
+        try:
+            return art, read_manifest(art)
+        except ArtifactError:
+            pass
+        catalog = Catalog(models.target, plan, make_proposer(plan, models.target, models.draft))
+        log(f"specair: compiling {len(catalog.keys())} {backend.name} graphs once into {art} (later runs load "
+            f"them; `specair compile` builds other plans)")
+        t0 = time.perf_counter()
+        compile_artifacts(catalog, backend, art, models.fingerprints, progress=progress)
+        log(f"specair: compiled in {time.perf_counter() - t0:.0f}s")
+        return art, read_manifest(art)
+
+
 def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | dict | None = None,
                 backend: str | None = None, artifacts: str | None = None, max_context: int | None = None,
                 threads: int | None = None, batch_buckets: tuple[int, ...] = (1,), max_waiting: int = 64,
@@ -116,9 +159,27 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
     """An engine from an artifact directory (compiling nothing), or with graphs built on first use by
     `backend` (eager by default) for the given batch buckets. `quantize` (onnx only: "int4", "int8") is
     weight-only quantization; with artifacts, None means whatever they were compiled with. Models and
-    every graph input live on `device` (default: the backend's)."""
+    every graph input live on `device` (default: the backend's).
+
+    `backend="auto"` (the CLI's default for generate and chat) is the fastest configuration here
+    (`auto_backend`), built ahead of time into specair's cache on first use and loaded afterwards
+    (`cached_artifacts`); its context defaults to AUTO_MAX_CONTEXT."""
     spec = parse_spec(spec_json)
     name = model_name or (Path(model).name if model else "SmolLM2-135M-Instruct")
+    if artifacts is None and backend == AUTO:
+        backend, quantize = auto_backend(model, quantize)
+        if backend != "eager":
+            be = get_backend(backend, threads, quantize=quantize)
+            models = load_models(model, dtype, spec, _device(be, device))
+            plan = _plan(models.target, spec, max_context or AUTO_MAX_CONTEXT, dtype, batch_buckets=batch_buckets,
+                         variants=AUTO_VARIANTS)
+            art, manifest = cached_artifacts(models, plan, be, model)
+            hint = f"remove {art} (specair rebuilds it)"
+            engine = make_engine(models.target, models.tokenizer, models.draft,
+                                 lambda cat: load_artifacts(cat, be, art, manifest, models.fingerprints, hint),
+                                 plan, max_waiting, name)
+            _log_spec(plan, f"{be.name}{' ' + quantize if quantize else ''}")
+            return engine
     if artifacts is None:
         be = get_backend(backend or "eager", threads, quantize=quantize)
         models = load_models(model, dtype, spec, _device(be, device))
@@ -147,7 +208,7 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
     engine = make_engine(models.target, models.tokenizer, models.draft,
                          lambda cat: load_artifacts(cat, be, art, manifest, models.fingerprints, hint),
                          plan, max_waiting, name)
-    log(f"loaded {len(engine.graphs.fns)} {be.name} graphs from {art} in {time.perf_counter() - t0:.1f}s")
+    log(f"opened {len(manifest['graphs'])} {be.name} graphs from {art} in {time.perf_counter() - t0:.1f}s")
     _log_spec(plan, be.name)
     return engine
 

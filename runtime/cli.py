@@ -75,7 +75,8 @@ def _engine(args: argparse.Namespace):
     from specair.runtime.build import open_engine, parse_spec
 
     parse_spec(args.speculative_config)  # fail on a bad config before loading anything
-    return open_engine(args.model, args.dtype, args.speculative_config, args.backend, args.artifacts,
+    backend = None if args.artifacts and args.backend == "auto" else args.backend
+    return open_engine(args.model, args.dtype, args.speculative_config, backend, args.artifacts,
                        args.max_context, args.threads, getattr(args, "batch_buckets", (1,)),
                        quantize=getattr(args, "quantize", None), device=getattr(args, "device", None))
 
@@ -179,7 +180,10 @@ def _sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--backend", help="compile graphs with this backend as they are first needed (default eager)")
+    p.add_argument("--backend", default="auto",
+                   help="auto (default): the fastest configuration here (onnxruntime, the default model's weights as "
+                        "exact int4), compiled ahead of time into specair's cache on first use and loaded afterwards; "
+                        "or eager, inductor, aoti, onnx, cuda, npu: graphs compiled as they are first needed")
     p.add_argument("--device", help="where models, caches and graph inputs live (default: the backend's device: cpu, cuda for the cuda backend, npu for npu)")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES,
                    help="onnx: weight-only quantization of every linear layer (int4: MatMulNBits blocks of 32 like "
@@ -192,7 +196,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", metavar="JSON",
                    help='e.g. \'{"method": "layer_skip", "num_layers": 8, "num_speculative_tokens": 4}\'')
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--max-context", type=int, help="tokens of context to allocate (default: the model's)")
+    p.add_argument("--max-context", type=int, help="tokens of context to allocate (default: the model's; 2048 with --backend auto)")
     p.add_argument("--threads", type=int, help="CPU threads for torch and onnxruntime")
 
 

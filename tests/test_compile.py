@@ -144,7 +144,7 @@ def test_cli_compile_then_generate_from_artifacts(tiny_dir, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["plan"]["max_context"] == 64 and manifest["versions"]["torch"] == torch.__version__
     ids = json.dumps(list(range(5, 25)))
-    eager = run_cli("generate", "--model", str(tiny_dir), "--prompt-ids", ids, "--max-tokens", "16", "--json",
+    eager = run_cli("generate", "--backend", "eager", "--model", str(tiny_dir), "--prompt-ids", ids, "--max-tokens", "16", "--json",
                     "--ignore-eos", "--max-context", "64", "--speculative-config", spec)
     assert eager.returncode == 0, eager.stderr
     check = ("import sys, runpy, atexit, json; from torch._dynamo.utils import counters; "
@@ -187,7 +187,7 @@ def test_cli_onnx_edge_export_passes_check_onnx_and_serves(tiny_dir, tmp_path):
     common = ["--model", str(tiny_dir), "--prompt-ids", ids, "--max-tokens", "12", "--json", "--temperature", "0.8",
               "--top-k", "20", "--seed", "3", "--ignore-eos"]
     onnx_run = run_cli("generate", *common, "--artifacts", str(out))
-    eager_run = run_cli("generate", *common, "--max-context", "64", "--speculative-config", spec)
+    eager_run = run_cli("generate", "--backend", "eager", *common, "--max-context", "64", "--speculative-config", spec)
     assert onnx_run.returncode == 0 and eager_run.returncode == 0, onnx_run.stderr + eager_run.stderr
     assert json.loads(onnx_run.stdout)["token_ids"] == json.loads(eager_run.stdout)["token_ids"]
     bad = run_cli("check-onnx", str(out / "manifest.json"))

@@ -122,7 +122,7 @@ def test_cli_generate_json(default_hf_dir, tmp_path):
     prompts.write_text(json.dumps({"prompt": "The sky is"}) + "\n" +
                        json.dumps({"messages": [{"role": "user", "content": "Say hi."}]}) + "\n")
     r = run_cli("generate", "--model", str(default_hf_dir), "--prompts", str(prompts), "--max-tokens", "8",
-                "--json", "--speculative-config",
+                "--json", "--backend", "eager", "--speculative-config",
                 '{"method": "layer_skip", "num_layers": 8, "num_speculative_tokens": 3}')
     assert r.returncode == 0, r.stderr
     recs = [json.loads(line) for line in r.stdout.splitlines()]
@@ -143,6 +143,6 @@ def test_cli_generate_json(default_hf_dir, tmp_path):
     (["--prompt-ids", "[" + ", ".join(["1"] * 9000) + "]", "--model", "{hf}"], "context holds"),
 ])
 def test_cli_bad_input_is_a_clear_error(default_hf_dir, args, needle):
-    r = run_cli("generate", *[a.replace("{hf}", str(default_hf_dir)) for a in args])
+    r = run_cli("generate", "--backend", "eager", *[a.replace("{hf}", str(default_hf_dir)) for a in args])
     assert r.returncode == 2
     assert needle in r.stderr and "Traceback" not in r.stderr
