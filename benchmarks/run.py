@@ -633,7 +633,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
 
     # Warm-up: every runner once (the longest prompt, so graphs for its context exist before timing).
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
-    lazy_compiled = any(c.backend != "eager" and not c.artifacts for c in configs)
+    lazy_compiled = any(c.backend not in ("eager", "auto") and not c.artifacts for c in configs)  # auto: cached AOT
     warm = SamplingParams(max_tokens=opts.max_tokens if lazy_compiled else opts.warmup_tokens,
                           temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, seed=opts.seed,
                           ignore_eos=True)

@@ -223,5 +223,4 @@ def load_artifacts(catalog: Catalog, backend: Backend, art_dir: Path, manifest: 
     backend.begin(art_dir, loading=True)
     graphs = GraphSet(catalog, backend, art_dir, lazy=False)
     graphs._pending, graphs._hint = set(keys), recompile_hint
-
     return graphs

@@ -118,15 +118,16 @@ AUTO_VARIANTS = ("greedy", "filtered")  # plain sampling rows run exactly on the
 def auto_backend(model: str | None, quantize: str | None = None) -> tuple[str, str | None]:
     """What `--backend auto` runs: onnxruntime where it is installed (else eager), with the default model's
     Q4_1 weights read exactly as int4 (`--quantize` overrides; other checkpoints keep float weights)."""
-    try:
-        get_backend("onnx")
+    from specair.compile.backends.onnx import OnnxBackend
+
+    try:  # the class's check: an instance would size onnxruntime's process-wide thread pool before --threads
+        OnnxBackend.check_available()
     except BackendUnavailable:
         return "eager", None
     return "onnx", quantize if quantize is not None else ("int4" if model is None else None)
 
 
-def cached_artifacts(models: Models, plan: Plan, backend: Any, model: str | None, *,
-                     progress: bool = True) -> tuple[Path, dict[str, Any]]:
+def cached_artifacts(models: Models, plan: Plan, backend: Any, *, progress: bool = True) -> tuple[Path, dict[str, Any]]:
     """The artifact directory of this (models, plan, backend) in specair's cache, compiled once (with a
     progress bar) and reused by every later run; rebuilt when its manifest no longer matches (another
     specair, onnxruntime or torch; changed weights). Returns the directory and its manifest."""
@@ -173,13 +174,9 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
             models = load_models(model, dtype, spec, _device(be, device))
             plan = _plan(models.target, spec, max_context or AUTO_MAX_CONTEXT, dtype, batch_buckets=batch_buckets,
                          variants=AUTO_VARIANTS)
-            art, manifest = cached_artifacts(models, plan, be, model)
-            hint = f"remove {art} (specair rebuilds it)"
-            engine = make_engine(models.target, models.tokenizer, models.draft,
-                                 lambda cat: load_artifacts(cat, be, art, manifest, models.fingerprints, hint),
-                                 plan, max_waiting, name)
-            _log_spec(plan, f"{be.name}{' ' + quantize if quantize else ''}")
-            return engine
+            art, manifest = cached_artifacts(models, plan, be)
+            return _artifact_engine(models, plan, be, art, manifest, f"remove {art} (specair rebuilds it)",
+                                    max_waiting, name)
     if artifacts is None:
         be = get_backend(backend or "eager", threads, quantize=quantize)
         models = load_models(model, dtype, spec, _device(be, device))
@@ -203,13 +200,20 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
         quantize = (manifest.get("quantization") or {}).get("method")
     be = get_backend(manifest["backend"], threads, quantize=quantize)
     models = load_models(model, plan.dtype, plan.speculative, _device(be, device))
-    hint = compile_command(model, plan, be.name, art, quantize)
+    return _artifact_engine(models, plan, be, art, manifest, compile_command(model, plan, be.name, art, quantize),
+                            max_waiting, name)
+
+
+def _artifact_engine(models: Models, plan: Plan, be: Any, art: Path, manifest: dict[str, Any], hint: str,
+                     max_waiting: int, name: str) -> Engine:
+    """An engine over a checked artifact directory; its graphs load as they are first called."""
     t0 = time.perf_counter()
     engine = make_engine(models.target, models.tokenizer, models.draft,
                          lambda cat: load_artifacts(cat, be, art, manifest, models.fingerprints, hint),
                          plan, max_waiting, name)
+    q = (manifest.get("quantization") or {}).get("method")
     log(f"opened {len(manifest['graphs'])} {be.name} graphs from {art} in {time.perf_counter() - t0:.1f}s")
-    _log_spec(plan, be.name)
+    _log_spec(plan, f"{be.name}{' ' + q if q else ''}")
     return engine
 
 

@@ -84,12 +84,15 @@ def test_a_broken_cached_build_is_rebuilt(tiny_dir, tmp_path, monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec("openvino_genai") is None or importlib.util.find_spec("optimum") is None,
                     reason="the OpenVINO GenAI peer needs the peers extra (openvino-genai, optimum-intel)")
 def test_openvino_genai_peer_generates_from_token_ids(default_hf_dir, tmp_path):
-    from specair.benchmarks.peers import OpenVinoGenAIPeer
+    from specair.benchmarks.peers import OpenVinoGenAIPeer, PeerUnavailable
     from specair.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_hf_dir(default_hf_dir)
     ids = tok.encode("The capital of France is")
-    peer = OpenVinoGenAIPeer("openvino", str(default_hf_dir), tmp_path, threads=2)
+    try:
+        peer = OpenVinoGenAIPeer("openvino", str(default_hf_dir), tmp_path, threads=2)
+    except PeerUnavailable as e:  # e.g. optimum-intel pins an older transformers than the one installed
+        pytest.skip(str(e)[:200])
     (sample,), wall = peer.run([ids], SamplingParams(max_tokens=6, ignore_eos=True), 0, [0])
     assert len(sample.token_ids) == 6 and sample.target_passes == 5 and 0 < sample.ttft_s <= wall
     assert "Paris" in tok.decode(sample.token_ids)
