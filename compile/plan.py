@@ -24,6 +24,9 @@ class Plan:
     variants: tuple[str, ...] = ("greedy", "filtered")
     speculative: SpeculativeConfig | None = None
     dtype: str = "fp32"
+    # False: one context bucket (max_context), for backends whose attention reads only the used slots
+    # (onnxruntime's fused attention), where more buckets would be identical graphs.
+    context_buckets: bool = True
     tree: TreeShape | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -41,7 +44,10 @@ class Plan:
 
     @property
     def ctx_buckets(self) -> tuple[int, ...]:
-        """Powers of two from MIN_CONTEXT_BUCKET below max_context, then max_context itself."""
+        """Powers of two from MIN_CONTEXT_BUCKET below max_context, then max_context itself (only
+        max_context without context buckets)."""
+        if not self.context_buckets:
+            return (self.max_context,)
         out, c = [], MIN_CONTEXT_BUCKET
         while c < self.max_context:
             out.append(c)

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from specair.models.config import ModelConfig
 from specair.models.errors import ModelFormatError
-from specair.models.llama import Block, ModelOutput, Transformer
+from specair.models.llama import AttentionInputs, Block, ModelOutput, Transformer
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
@@ -128,7 +128,8 @@ class EagleHead(nn.Module):
         # The target's mask builder reads only `config` (sliding window), which the head shares.
         mask = Transformer._mask(self, positions, cache_len, C, tree_mask, x.dtype)  # type: ignore[arg-type]
         hidden, k, v = self.layers[0](x, cos, sin, k_cache[0], v_cache[0], mask,
-                                      None if prev_k is None else prev_k[0], None if prev_v is None else prev_v[0])
+                                      None if prev_k is None else prev_k[0], None if prev_v is None else prev_v[0],
+                                      AttentionInputs(cache_len, tree_mask, self.config.sliding_window))
         picked = hidden
         if logits_index is not None:
             picked = hidden.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))

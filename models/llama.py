@@ -8,7 +8,9 @@ rejected draft never touches the cache, and attention never copies the cache.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -77,6 +79,55 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def attend(q: Tensor, k: Tensor, v: Tensor, k_past: Tensor, v_past: Tensor, mask: Tensor,
+           k_prev: Tensor | None, v_prev: Tensor | None, scale: float) -> Tensor:
+    """Grouped-query attention of T new tokens over a cache context and (optionally) earlier tokens of
+    the step. q [B, T, H, D], k/v [B, T, Hkv, D] (RoPE applied); k_past/v_past [B, Hkv, C, D]; k_prev/
+    v_prev [B, Hkv, E, D] or None; mask additive [B, 1, 1, T, C+E+T]; scale 1/sqrt(D) (a Python float:
+    a traced shape would not be). Returns [B, T, H*D]."""
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    G = H // Hkv
+    # Group query heads by their KV head ([B, Hkv, G*T, D]) so GQA never repeats the cache.
+    q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    k_new = k if k_prev is None else torch.cat([k_prev, k], dim=2)
+    v_new = v if v_prev is None else torch.cat([v_prev, v], dim=2)
+    C, N = k_past.shape[2], k_new.shape[2]
+    scores = torch.cat([q @ k_past.transpose(-1, -2), q @ k_new.transpose(-1, -2)], dim=-1)
+    scores = scores.view(B, Hkv, G, T, C + N) * scale + mask
+    soft_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    p = scores.softmax(dim=-1, dtype=soft_dtype).to(q.dtype).view(B, Hkv, G * T, C + N)
+    out = p[..., :C] @ v_past + p[..., C:] @ v_new
+    return out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+
+
+class AttentionInputs(NamedTuple):
+    """What a fused attention kernel needs beyond `attend`'s tensors: the committed length per row and the
+    step's own visibility (tree or causal) among its T tokens, before they become an additive mask."""
+
+    cache_len: Tensor  # [B]
+    tree_mask: Tensor | None  # [1 or B, T, T] bool; None: causal
+    sliding_window: int | None
+
+
+# The attention kernel every layer calls: `attend`, unless a backend swaps in its own for a capture
+# (`use_attention`); a replacement takes one more argument, the AttentionInputs.
+_ATTENTION: list = [None]
+
+
+@contextlib.contextmanager
+def use_attention(kernel) -> Iterator[None]:
+    """Run every Attention layer through `kernel(q, k, v, k_past, v_past, mask, k_prev, v_prev, scale, inputs)`
+    (it must compute what `attend` computes) while the block runs; backends use it to capture a fused op."""
+    prev = _ATTENTION[0]
+    _ATTENTION[0] = kernel
+    try:
+        yield
+    finally:
+        _ATTENTION[0] = prev
+
+
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
@@ -86,26 +137,20 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q_dim, c.hidden_size, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_past: Tensor, v_past: Tensor,
-                mask: Tensor, k_prev: Tensor | None, v_prev: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                mask: Tensor, k_prev: Tensor | None, v_prev: Tensor | None,
+                inputs: AttentionInputs | None = None) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        G = H // Hkv
         q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
         q = apply_rope(q.view(B, T, H, D), cos, sin)
-        k = apply_rope(k.view(B, T, Hkv, D), cos, sin).transpose(1, 2)
-        v = v.view(B, T, Hkv, D).transpose(1, 2)
-        # Group query heads by their KV head ([B, Hkv, G*T, D]) so GQA never repeats the cache.
-        q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-        k_new = k if k_prev is None else torch.cat([k_prev, k], dim=2)
-        v_new = v if v_prev is None else torch.cat([v_prev, v], dim=2)
-        C, N = k_past.shape[2], k_new.shape[2]
-        scores = torch.cat([q @ k_past.transpose(-1, -2), q @ k_new.transpose(-1, -2)], dim=-1)
-        scores = scores.view(B, Hkv, G, T, C + N) * (1.0 / math.sqrt(D)) + mask
-        soft_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        p = scores.softmax(dim=-1, dtype=soft_dtype).to(x.dtype).view(B, Hkv, G * T, C + N)
-        out = p[..., :C] @ v_past + p[..., C:] @ v_new
-        out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
-        return self.wo(out), k, v
+        k = apply_rope(k.view(B, T, Hkv, D), cos, sin)
+        v = v.view(B, T, Hkv, D)
+        kernel, scale = _ATTENTION[0], 1.0 / math.sqrt(D)
+        if kernel is None or inputs is None:  # without AttentionInputs (training), no kernel can replace it
+            out = attend(q, k, v, k_past, v_past, mask, k_prev, v_prev, scale)
+        else:
+            out = kernel(q, k, v, k_past, v_past, mask, k_prev, v_prev, scale, inputs)
+        return self.wo(out), k.transpose(1, 2), v.transpose(1, 2)
 
 
 class FeedForward(nn.Module):
@@ -128,8 +173,9 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(c)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_past: Tensor, v_past: Tensor,
-                mask: Tensor, k_prev: Tensor | None, v_prev: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        a, k, v = self.attention(self.attention_norm(x), cos, sin, k_past, v_past, mask, k_prev, v_prev)
+                mask: Tensor, k_prev: Tensor | None, v_prev: Tensor | None,
+                inputs: AttentionInputs | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        a, k, v = self.attention(self.attention_norm(x), cos, sin, k_past, v_past, mask, k_prev, v_prev, inputs)
         x = x + a
         return x + self.feed_forward(self.ffn_norm(x)), k, v
 
@@ -186,10 +232,11 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(2)
         sin = self.rope_sin[positions].unsqueeze(2)
         mask = self._mask(positions, cache_len, C, tree_mask, x.dtype)
+        att = AttentionInputs(cache_len, tree_mask, self.config.sliding_window)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, cos, sin, k_cache[i], v_cache[i], mask,
-                            None if prev_k is None else prev_k[i], None if prev_v is None else prev_v[i])
+                            None if prev_k is None else prev_k[i], None if prev_v is None else prev_v[i], att)
             new_k.append(k)
             new_v.append(v)
         hidden = self.norm(x)

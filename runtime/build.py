@@ -96,11 +96,16 @@ def _device(backend: Any, device: str | None) -> str:
     return device
 
 
-def _plan(target: Transformer, spec: SpeculativeConfig | None, max_context: int | None, dtype: str,
-          **kw: Any) -> Plan:
+def _plan(target: Transformer, spec: SpeculativeConfig | None, max_context: int | None, dtype: str, *,
+          backend: Any = None, draft: Any = None, **kw: Any) -> Plan:
+    """The plan; with one context bucket where every graph's attention reads only the used cache slots
+    (onnxruntime's fused attention covers one-row graphs and one-token steps, not a draft's steps over
+    earlier drafted tokens), so more buckets would only be identical graphs to compile."""
     cfg = target.config
+    length_aware = (getattr(backend, "fuse_attention", False) and draft is None
+                    and (spec is None or tuple(kw.get("batch_buckets", (1,))) == (1,)))
     return Plan(max_context=min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings),
-                speculative=spec, dtype=dtype, **kw)
+                speculative=spec, dtype=dtype, context_buckets=not length_aware, **kw)
 
 
 def _log_spec(plan: Plan, backend: str) -> None:
@@ -111,7 +116,7 @@ def _log_spec(plan: Plan, backend: str) -> None:
 
 
 AUTO = "auto"
-AUTO_MAX_CONTEXT = 2048  # the cached build's default context: 6 context buckets, compiled once in ~5 minutes
+AUTO_MAX_CONTEXT = 2048  # the cached build's default context
 AUTO_VARIANTS = ("greedy", "filtered")  # plain sampling rows run exactly on the filtered graphs
 
 
@@ -172,15 +177,16 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
         if backend != "eager":
             be = get_backend(backend, threads, quantize=quantize)
             models = load_models(model, dtype, spec, _device(be, device))
-            plan = _plan(models.target, spec, max_context or AUTO_MAX_CONTEXT, dtype, batch_buckets=batch_buckets,
-                         variants=AUTO_VARIANTS)
+            plan = _plan(models.target, spec, max_context or AUTO_MAX_CONTEXT, dtype, backend=be, draft=models.draft,
+                         batch_buckets=batch_buckets, variants=AUTO_VARIANTS)
             art, manifest = cached_artifacts(models, plan, be)
             return _artifact_engine(models, plan, be, art, manifest, f"remove {art} (specair rebuilds it)",
                                     max_waiting, name)
     if artifacts is None:
         be = get_backend(backend or "eager", threads, quantize=quantize)
         models = load_models(model, dtype, spec, _device(be, device))
-        plan = _plan(models.target, spec, max_context, dtype, batch_buckets=batch_buckets, variants=VARIANTS)
+        plan = _plan(models.target, spec, max_context, dtype, backend=be, draft=models.draft,
+                     batch_buckets=batch_buckets, variants=VARIANTS)
         if be.name != "eager":
             log(f"specair: no --artifacts given: graphs are compiled with {be.name} as they are first needed")
         _log_spec(plan, be.name)
@@ -224,9 +230,9 @@ def engine_from_models(target: Transformer, tokenizer: Any = None, draft: Any = 
                        quantize: str | None = None) -> Engine:
     """An engine over models already in memory, on their device (graphs built on first use by `backend`,
     with weight-only `quantize` for onnx)."""
-    plan = _plan(target, parse_spec(spec), max_context, next(k for k, v in DTYPES.items() if v == target.dtype),
-                 batch_buckets=batch_buckets, prefill_chunk=prefill_chunk, variants=variants)
     be = get_backend(backend, quantize=quantize)
+    plan = _plan(target, parse_spec(spec), max_context, next(k for k, v in DTYPES.items() if v == target.dtype),
+                 backend=be, draft=draft, batch_buckets=batch_buckets, prefill_chunk=prefill_chunk, variants=variants)
     return make_engine(target, tokenizer, draft, lambda cat: GraphSet(cat, be, None, True), plan, max_waiting)
 
 
@@ -258,8 +264,8 @@ def compile_plan(model: str | None, dtype: str, spec_json: str | None, backend: 
         raise InputError("--self-contained applies to the onnx backend only")
     be = get_backend(backend, threads, quantize=quantize, **({"self_contained": True} if self_contained else {}))
     models = load_models(model, dtype, spec, be.device)
-    plan = _plan(models.target, spec, max_context, dtype, batch_buckets=buckets, prefill_chunk=prefill_chunk,
-                 variants=variants)
+    plan = _plan(models.target, spec, max_context, dtype, backend=be, draft=models.draft, batch_buckets=buckets,
+                 prefill_chunk=prefill_chunk, variants=variants)
     catalog = Catalog(models.target, plan, make_proposer(plan, models.target, models.draft))
     log(f"compiling {len(catalog.keys())} graphs with {be.name}: batch buckets {plan.batch_buckets}, "
         f"context buckets {plan.ctx_buckets}, variants {plan.variants}")

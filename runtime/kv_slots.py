@@ -2,7 +2,8 @@
 
 Rows 0..n-1 hold the n running sequences; the caches have the smallest batch bucket ≥ n rows (padding
 rows compute on zeros and nothing reads what they write). Prompts are prefilled into one-row scratch
-caches, then copied into a row. Graphs only read caches; `commit` writes the K/V a step keeps.
+caches, then copied into a row. Graphs read caches (and may write the step's own K/V past the committed length, which stays unread);
+`commit` writes the K/V a step keeps.
 
 With a static-buffer backend (CUDA graphs, aclgraph) every bucket's caches are allocated once and bound
 to the graphs before any is built, so graphs read them in place (all buckets together hold

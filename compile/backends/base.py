@@ -23,7 +23,9 @@ class Backend(ABC):
 
     `compile` may write files under `art_dir` (one directory per backend run); `load` must rebuild the
     callable from those files alone, without tracing or compiling. Inputs and outputs are flat tuples
-    of torch tensors in the GraphDef's order; graphs are pure (they never mutate an input).
+    of torch tensors in the GraphDef's order. Graphs never change what a later step can see: no input is
+    mutated, except that a backend may write a step's own K/V into cache slots at or past each row's
+    committed length (onnxruntime's fused attention does), which nothing reads before the runtime commits.
     """
 
     name: ClassVar[str]

@@ -71,9 +71,11 @@ import torch
 from torch import Tensor
 
 from specair.compile.backends.base import Backend, BackendUnavailable, CompiledGraph
+from specair.compile.backends.onnx_attention import PRESENT, fused_kernel, lower_fused_attention
 from specair.compile.graph_def import GraphDef
 from specair.compile.quantize import WeightQuantizer, parse_quantize
 from specair.models.errors import InputError, SpecairError
+from specair.models.llama import use_attention
 
 OPSET = 13
 WEIGHTS_FILE = "onnx_weights.bin"
@@ -212,8 +214,20 @@ def _symbolic_overrides(opset: int) -> Iterator[None]:
             torch.onnx.unregister_custom_op_symbolic(name, opset)
 
 
-def _torch_export(graph: GraphDef, path: Path, opset: int, *, fold: bool, export_params: bool) -> None:
-    with _export_lock, _symbolic_overrides(opset), torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+def _cache_slots(graph: GraphDef) -> int | None:
+    """The slot count of the graph's KV caches (the `k_cache` input [L, B, Hkv, S, D]), or None without one."""
+    for name, t in zip(graph.input_names, graph.example_inputs):
+        if name == "k_cache" and t.dim() == 5:
+            return int(t.shape[3])
+    return None
+
+
+def _torch_export(graph: GraphDef, path: Path, opset: int, *, fold: bool, export_params: bool,
+                  fuse_attention: bool = False) -> None:
+    slots = _cache_slots(graph) if fuse_attention else None
+    kernel = use_attention(fused_kernel(slots)) if slots is not None else contextlib.nullcontext()
+    with _export_lock, _symbolic_overrides(opset), torch.no_grad(), warnings.catch_warnings(record=True) as caught, \
+            kernel:
         warnings.simplefilter("always")  # recorded, not shown: the legacy exporter's deprecation notices
         try:
             torch.onnx.export(
@@ -503,11 +517,21 @@ class OrtGraph:
         self._keepalive = keepalive  # session options and the OrtValues/tensors behind shared weights
         self._n_inputs = len(graph.input_names)
         metas = {m.name: m for m in session.get_inputs()}
-        self._inputs = []  # (position, name, numpy dtype, torch dtype, shape); unused inputs were dropped
+        # (position, name, numpy dtype, torch dtype, planned shape, bound whole, per-layer bindings); unused
+        # inputs were dropped. A cache that fused attention reads in place is also (or only) bound one layer
+        # per input (`k_cache.<i>`, at the layer's offset), and again as the layer's in-place output.
+        self._inputs = []
+        layered: dict[int, list[tuple[str, int]]] = {}
+        for name in metas:
+            hit = _layer_input(name, graph.input_names)
+            if hit is not None:
+                layered.setdefault(graph.input_names.index(hit[0]), []).append((name, hit[1]))
         for pos, name in enumerate(graph.input_names):
-            if name in metas:
-                np_dt = _NP_OF_ORT[metas[name].type]
-                self._inputs.append((pos, name, np.dtype(np_dt), _TORCH_OF_NP[np_dt], tuple(metas[name].shape)))
+            if name in metas or pos in layered:
+                meta = metas[name] if name in metas else metas[layered[pos][0][0]]
+                np_dt = _NP_OF_ORT[meta.type]
+                self._inputs.append((pos, name, np.dtype(np_dt), _TORCH_OF_NP[np_dt],
+                                     tuple(graph.example_inputs[pos].shape), name in metas, layered.get(pos, ())))
         self._outputs = []  # (name, numpy dtype, torch dtype, static shape or None)
         outs = {m.name: m for m in session.get_outputs()}
         for name in graph.output_names:
@@ -516,6 +540,8 @@ class OrtGraph:
             static = all(isinstance(d, int) and d >= 0 for d in m.shape)
             self._outputs.append((name, np.dtype(np_dt), _TORCH_OF_NP[np_dt], tuple(m.shape) if static else None))
         self._binding = session.io_binding()
+        for name in graph.output_names:  # first, so get_outputs() lists them before in-place cache outputs
+            self._binding.bind_output(name, "cpu")
         self._bound: list[int | None] = [None] * len(self._inputs)
         self._lock = threading.Lock()
 
@@ -540,12 +566,17 @@ class OrtGraph:
             raise TypeError(f"onnx graph {self.key!r} takes {self._n_inputs} inputs, got {len(inputs)}")
         io = self._binding
         with self._lock:
-            for i, (pos, name, np_dt, dt, shape) in enumerate(self._inputs):
+            for i, (pos, name, np_dt, dt, shape, whole, layers) in enumerate(self._inputs):
                 t = inputs[pos]
                 self._check(name, t, dt, shape)
                 ptr = t.data_ptr()
                 if self._bound[i] != ptr:
-                    io.bind_input(name, "cpu", 0, np_dt, list(shape), ptr)
+                    if whole:
+                        io.bind_input(name, "cpu", 0, np_dt, list(shape), ptr)
+                    step = t.stride(0) * t.element_size()
+                    for onnx_name, layer in layers:
+                        io.bind_input(onnx_name, "cpu", 0, np_dt, list(shape[1:]), ptr + layer * step)
+                        io.bind_output(onnx_name + PRESENT, "cpu", 0, np_dt, list(shape[1:]), ptr + layer * step)
                     self._bound[i] = ptr
             outs: list[Tensor | None] = []
             for name, np_dt, dt, shape in self._outputs:
@@ -562,6 +593,12 @@ class OrtGraph:
                 outs = [torch.from_numpy(values[j].numpy()) if o is None else o for j, o in enumerate(outs)]
             # Drop references to this call's tensors; the pointers stay bound for the next call.
         return tuple(outs)  # type: ignore[arg-type]
+
+
+def _layer_input(name: str, input_names) -> tuple[str, int] | None:
+    """(graph input, layer) for the per-layer cache input `<input>.<layer>` of fused attention, else None."""
+    base, _, layer = name.rpartition(".")
+    return (base, int(layer)) if layer.isdigit() and base in input_names else None
 
 
 _pool_lock = threading.Lock()
@@ -596,9 +633,15 @@ class OnnxBackend(Backend):
     device = "cpu"
 
     def __init__(self, threads: int | None = None, *, self_contained: bool = False, opset: int = OPSET,
-                 prepack: bool = False, providers: list[str] | None = None, quantize: str | None = None) -> None:
+                 prepack: bool = False, providers: list[str] | None = None, quantize: str | None = None,
+                 fuse_attention: bool | None = None) -> None:
         super().__init__(threads)
         self.self_contained, self.opset, self.prepack = self_contained, opset, prepack
+        # onnxruntime's GroupQueryAttention (com.microsoft) in place of exported attention; not for ATC.
+        self.fuse_attention = (not self_contained) if fuse_attention is None else fuse_attention
+        if self.fuse_attention and self_contained:
+            raise InputError("fused attention writes onnxruntime's com.microsoft operators, which Ascend ATC does "
+                             "not take: it applies to the shared-weights export, not to --self-contained")
         self.providers = providers or ["CPUExecutionProvider"]
         self.quantization = parse_quantize(quantize)  # recorded in the manifest; None: float weights
         if self.quantization is not None and self_contained:
@@ -656,10 +699,12 @@ class OnnxBackend(Backend):
         tmp = path.with_name(path.name + ".tmp")
         try:
             # Weights stay graph inputs (no data written, nothing folded into renamed copies).
-            _torch_export(graph, tmp, self.opset, fold=False, export_params=False)
+            _torch_export(graph, tmp, self.opset, fold=False, export_params=False,
+                          fuse_attention=self.fuse_attention)
             model = onnx.load(str(tmp))
         finally:
             tmp.unlink(missing_ok=True)
+        lower_fused_attention(model)
         tensors = _module_tensors(graph.module)
         _linear_to_gemm(model, set(tensors))
         quantized = self._quantizer.rewrite(model, tensors) if self._quantizer is not None else {}
@@ -673,7 +718,8 @@ class OnnxBackend(Backend):
             model.graph.initializer.append(_external_tensor(name, entry))
             self._stored_value(store.bin, entry["offset"], entry["length"], lambda a=array: a)
         store.flush()
-        leftover = [vi.name for vi in model.graph.input if vi.name not in graph.input_names]
+        leftover = [vi.name for vi in model.graph.input if vi.name not in graph.input_names
+                    and _layer_input(vi.name, graph.input_names) is None]
         if leftover:
             raise OnnxExportError(f"graph {graph.key!r}: exported inputs {leftover} are neither graph inputs "
                                   "nor module tensors")

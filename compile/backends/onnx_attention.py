@@ -1,0 +1,233 @@
+"""Fused attention for onnxruntime: each layer's attention as one com.microsoft GroupQueryAttention node that
+reads the layer's whole KV cache in place.
+
+Exported as plain ONNX, a layer's attention is ~35 nodes, and the cache reaches it through a Slice to the
+context bucket and a Gather per layer: onnxruntime has no views, so both copy the cache on every step.
+GroupQueryAttention (the kernel ONNX Runtime GenAI runs on CPU) takes the layer's cache buffer
+[B, Hkv, S, D] itself and per-row lengths (`seqlens_k` = committed length + T - 1), reads only the used
+slots, and writes the step's K/V into the buffer at slots cache_len..cache_len+T-1 when its `present`
+outputs are bound to the same memory (past/present buffer sharing). Those slots lie past the committed
+length, where nothing reads until the runtime commits there (prefill and decode commit exactly what was
+written; a verify commits the accepted path over it), so the graphs stay correct under the runtime's
+contract that only commits change what attention can see.
+
+Capture: while a graph is exported, `use_attention(kernel)` routes every layer through `kernel`, which
+traces `_Fused` (a `specair::FusedAttention` node) where the fused op applies, and `attend` elsewhere; then
+`lower_fused_attention` turns each node into GroupQueryAttention, replaces the Slice/Gather chain in front
+of its cache inputs by one graph input per layer (`k_cache.<layer>`) and adds the in-place outputs
+(`k_cache.<layer>.present`), which OrtGraph binds to the caller's cache. Applies when the step has no
+earlier uncached tokens (`k_prev`), no sliding window, float32, and one row or one token per row (the CPU
+kernel takes several new tokens after a cache only at batch 1); a tree's visibility among its T tokens
+enters as `attention_bias` over the slots, on top of the kernel's causal mask (a tree lists parents
+before children, so ancestors are always earlier).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specair.models.llama import AttentionInputs, attend
+
+DOMAIN = "specair"
+FUSED = "FusedAttention"
+PRESENT = ".present"
+
+
+class _Fused(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, k_past, v_past, mask, seqlens, bias, scale, shape, slots):  # noqa: ARG004
+        return attend(q, k, v, k_past, v_past, mask, None, None, scale)
+
+    @staticmethod
+    def symbolic(g, q, k, v, k_past, v_past, mask, seqlens, bias, scale, shape, slots):  # noqa: ARG004
+        flat = g.op("Constant", value_t=torch.tensor([0, 0, -1], dtype=torch.int64))
+        args = [g.op("Reshape", x, flat) for x in (q, k, v)] + [k_past, v_past, seqlens]
+        if bias is not None and not bias.node().mustBeNone():
+            args.append(bias)
+        B, T, H, Hkv, D = shape
+        out, k_present, v_present = g.op(f"{DOMAIN}::{FUSED}", *args, outputs=3, kv_heads_i=Hkv, slots_i=slots,
+                                         scale_f=scale, batch_i=B, tokens_i=T, heads_i=H, head_dim_i=D)
+        out.setType(q.type().with_sizes([B, T, H * D]))  # static types keep the exporter's shapes static
+        for present in (k_present, v_present):
+            present.setType(q.type().with_sizes([B, Hkv, slots, D]))
+        return out
+
+
+def _tree_bias(cache_len: Tensor, tree_mask: Tensor, T: int, slots: int, dtype: torch.dtype) -> Tensor:
+    """Additive bias [B, 1, T, slots]: 0, except finfo.min where a step token must not see another one."""
+    B = cache_len.shape[0]
+    cols = (cache_len.view(B, 1, 1, 1) + torch.arange(T, device=cache_len.device).view(1, 1, 1, T)).expand(B, 1, T, T)
+    hidden = torch.where(tree_mask.expand(B, T, T).unsqueeze(1), 0.0, torch.finfo(dtype).min).to(dtype)
+    return torch.zeros(B, 1, T, slots, dtype=dtype, device=cache_len.device).scatter(3, cols, hidden)
+
+
+def _static_shape(t: Tensor) -> tuple[int, ...]:
+    """t's shape as Python ints, unrecorded: every graph's shapes are static, so a trace may bake them in."""
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        return tuple(int(d) for d in t.shape)
+    finally:
+        torch._C._set_tracing_state(state)
+
+
+def fused_kernel(slots: int):
+    """The attention kernel for `use_attention` while exporting graphs whose caches have `slots` slots."""
+
+    def kernel(q: Tensor, k: Tensor, v: Tensor, k_past: Tensor, v_past: Tensor, mask: Tensor,
+               k_prev: Tensor | None, v_prev: Tensor | None, scale: float, inputs: AttentionInputs) -> Tensor:
+        B, T, H, D = _static_shape(q)
+        tree = inputs.tree_mask
+        if (k_prev is not None or inputs.sliding_window is not None or q.dtype != torch.float32
+                or not (B == 1 or T == 1) or (tree is not None and _static_shape(tree)[-1] != T)):
+            return attend(q, k, v, k_past, v_past, mask, k_prev, v_prev, scale)
+        seqlens = (inputs.cache_len + (T - 1)).to(torch.int32)
+        bias = None if tree is None or T == 1 else _tree_bias(inputs.cache_len, tree, T, slots, q.dtype)
+        return _Fused.apply(q, k, v, k_past, v_past, mask, seqlens, bias, scale, (B, T, H, _static_shape(k)[2], D),
+                            slots)
+
+    return kernel
+
+
+def _constant(g, name: str, producers: dict | None = None):
+    """The value of `name` if it is constant: an initializer, a Constant, or a few shape-only ops over
+    constants (the exporter runs without constant folding); else None."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    for t in g.initializer:
+        if t.name == name:
+            return numpy_helper.to_array(t)
+    producers = producers if producers is not None else {o: n for n in g.node for o in n.output}
+    n = producers.get(name)
+    if n is None:
+        return None
+    if n.op_type == "Constant":
+        return numpy_helper.to_array(n.attribute[0].t)
+    args = [_constant(g, i, producers) if i else None for i in n.input]
+    if not args or args[0] is None:
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    if n.op_type in ("Unsqueeze", "Squeeze"):
+        axes = attrs.get("axes", None if len(args) < 2 or args[1] is None else args[1].ravel().tolist())
+        x = args[0]
+        if n.op_type == "Squeeze":
+            return np.squeeze(x, axis=tuple(axes)) if axes is not None else np.squeeze(x)
+        for a in sorted(int(a) % (x.ndim + len(axes)) for a in axes):
+            x = np.expand_dims(x, a)
+        return x
+    if n.op_type == "Concat" and all(a is not None for a in args):
+        return np.concatenate(args, axis=attrs["axis"])
+    if n.op_type in ("Identity", "Cast"):
+        return args[0]
+    return None
+
+
+def _keeps_rows(g, n, inputs: dict) -> bool:
+    """Whether Slice node n keeps all of axes 0 and 1 (layers, rows) of its input (rank 5 when unknown)."""
+    vals = [_constant(g, x) if i < len(n.input) and n.input[i] else None for i, x in
+            enumerate(list(n.input) + [""] * (5 - len(n.input)))][1:5]
+    starts, ends, axes, steps = vals
+    if starts is None or ends is None:
+        return False
+    rank = len(inputs[n.input[0]].type.tensor_type.shape.dim) if n.input[0] in inputs else 5
+    axes = range(len(starts)) if axes is None else [int(a) % rank for a in axes.ravel()]
+    steps = [1] * len(starts) if steps is None else steps.ravel()
+    for a, b, e, st in zip(axes, starts.ravel(), ends.ravel(), steps):
+        if a in (0, 1) and (int(b) != 0 or int(st) != 1 or int(e) < 2**31 - 1):
+            return False
+    return True
+
+
+def _cache_source(g, producers: dict, inputs: dict, name: str) -> tuple[str, int]:
+    """The graph input and layer a fused node's cache operand is a slice of (through Slice over slots,
+    Gather or Split over layers, Squeeze/Unsqueeze/Identity); else the export cannot fuse it."""
+    from specair.compile.backends.onnx import OnnxExportError
+
+    layer, start = None, name
+    while name not in inputs:
+        n = producers.get(name)
+        if n is None:
+            raise OnnxExportError(f"fused attention: cache operand {start!r} is not a slice of a graph input")
+        if n.op_type == "Slice":
+            if not _keeps_rows(g, n, inputs):
+                raise OnnxExportError(f"fused attention: cache operand {start!r} is sliced across layers or rows")
+        elif n.op_type == "Gather":
+            axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+            idx = _constant(g, n.input[1])
+            if axis != 0 or idx is None or idx.ndim != 0:
+                raise OnnxExportError(f"fused attention: cache operand {start!r} is not one layer of a cache")
+            layer = int(idx)
+        elif n.op_type == "Split":
+            axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+            if axis != 0:
+                raise OnnxExportError(f"fused attention: cache operand {start!r} is not one layer of a cache")
+            layer = list(n.output).index(name)
+        elif n.op_type not in ("Squeeze", "Unsqueeze", "Identity"):
+            raise OnnxExportError(f"fused attention: cache operand {start!r} comes through a {n.op_type} node")
+        name = n.input[0]
+    if layer is None:
+        raise OnnxExportError(f"fused attention: cache operand {start!r} is a whole cache, not one layer")
+    return name, layer
+
+
+def lower_fused_attention(model) -> int:
+    """Rewrite every specair::FusedAttention node of an exported model into GroupQueryAttention over
+    per-layer cache inputs with in-place outputs (see the module docstring). Returns how many."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    g = model.graph
+    fused = [n for n in g.node if n.domain == DOMAIN and n.op_type == FUSED]
+    if not fused:
+        return 0
+    producers = {o: n for n in g.node for o in n.output}
+    inputs = {vi.name: vi for vi in g.input}
+    added: set[str] = set()
+    for n in fused:
+        a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+        past = []
+        for operand in n.input[3:5]:
+            src, layer = _cache_source(g, producers, inputs, operand)
+            name = f"{src}.{layer}"
+            if name not in added:
+                t = inputs[src].type.tensor_type
+                dims = [d.dim_value for d in t.shape.dim][1:]
+                g.input.append(helper.make_tensor_value_info(name, t.elem_type, dims))
+                g.output.append(helper.make_tensor_value_info(name + PRESENT, t.elem_type, dims))
+                added.add(name)
+            past.append(name)
+        total = f"{n.output[0]}/total"
+        g.initializer.append(helper.make_tensor(total, TensorProto.INT32, [], [a["slots"]]))
+        args = list(n.input[:3]) + past + [n.input[5], total]
+        if len(n.input) > 6:
+            args += ["", "", "", n.input[6]]  # cos_cache, sin_cache, position_ids unused: RoPE is applied before
+        gqa = helper.make_node("GroupQueryAttention", args, [n.output[0]] + [p + PRESENT for p in past],
+                               name=n.name or n.output[0], domain="com.microsoft", num_heads=a["heads"],
+                               kv_num_heads=a["kv_heads"], scale=a["scale"])
+        n.CopyFrom(gqa)
+        g.value_info.append(helper.make_tensor_value_info(
+            n.output[0], TensorProto.FLOAT, [a["batch"], a["tokens"], a["heads"] * a["head_dim"]]))
+    _drop_dead(g)
+    for imp in list(model.opset_import):
+        if imp.domain == DOMAIN:
+            model.opset_import.remove(imp)
+    if not any(imp.domain == "com.microsoft" for imp in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    return len(fused)
+
+
+def _drop_dead(g) -> None:
+    """Remove nodes nothing reads (the cache slices the fused nodes replaced), then unread graph inputs."""
+    outputs = {o.name for o in g.output}
+    while True:
+        read = {i for n in g.node for i in n.input} | outputs
+        dead = [n for n in g.node if not any(o in read for o in n.output)]
+        if not dead:
+            break
+        for n in dead:
+            g.node.remove(n)
+    read = {i for n in g.node for i in n.input}
+    for vi in [vi for vi in g.input if vi.name not in read]:
+        g.input.remove(vi)
