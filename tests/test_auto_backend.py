@@ -96,3 +96,25 @@ def test_openvino_genai_peer_generates_from_token_ids(default_hf_dir, tmp_path):
     (sample,), wall = peer.run([ids], SamplingParams(max_tokens=6, ignore_eos=True), 0, [0])
     assert len(sample.token_ids) == 6 and sample.target_passes == 5 and 0 < sample.ttft_s <= wall
     assert "Paris" in tok.decode(sample.token_ids)
+
+
+def test_fused_attention_plans_have_one_context_bucket(tiny_dir):
+    """Where fused attention covers every graph (onnx; no draft model or head; batch bucket 1 when
+    speculating) the plan has one context bucket; a draft, a batch of verifies or eager keep them all."""
+    from specair.compile.backends import get_backend
+    from specair.compile.backends.onnx import OnnxBackend
+
+    models = build.load_models(str(tiny_dir), "fp32", None)
+    onnx, eager = OnnxBackend(), get_backend("eager")
+    spec = parse_spec(NGRAM)
+    one = build._plan(models.target, spec, 200, "fp32", backend=onnx, draft=None, batch_buckets=(1,))
+    assert one.ctx_buckets == (200,)
+    assert build._plan(models.target, None, 200, "fp32", backend=onnx, draft=None,
+                       batch_buckets=(1, 2)).ctx_buckets == (200,)
+    assert len(build._plan(models.target, spec, 200, "fp32", backend=onnx, draft=None,
+                           batch_buckets=(1, 2)).ctx_buckets) > 1
+    assert len(build._plan(models.target, spec, 200, "fp32", backend=onnx, draft=object(),
+                           batch_buckets=(1,)).ctx_buckets) > 1
+    assert len(build._plan(models.target, None, 200, "fp32", backend=eager, draft=None).ctx_buckets) > 1
+    assert len(build._plan(models.target, None, 200, "fp32", backend=OnnxBackend(self_contained=True),
+                           draft=None).ctx_buckets) > 1
