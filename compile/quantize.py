@@ -1,11 +1,12 @@
 """Weight-only quantization of an exported graph's linear layers, with onnxruntime's own tools.
 
-Every linear layer of an exported graph is `Gemm(x, W, transB=1)` with W a module weight [N, K] (the onnx
-backend rewrites each `MatMul(x, Transpose(W))` so; the LM head is one, tied or not). A scheme replaces each
-of them by the operator onnxruntime's quantization tool emits for it, and nothing else changes: embeddings
+Every linear layer of an exported graph is `MatMul(x, Transpose(W, perm=[1, 0]))` with W a module weight
+[N, K] and x of any rank (the LM head is one, tied or not). A scheme replaces each of them by the operator
+onnxruntime's quantization tool emits for it, which takes x as it is (no reshape to 2-D around it), and
+nothing else changes: embeddings
 (Gather) keep the float table, so a tied LM head gets a quantized copy of the table while the lookup reads
 the float one. Each distinct weight is quantized once per process by running the tool on a one-MatMul
-model of W^T; the tool's nodes and packed tensors are then spliced in place of every Gemm that reads W, in
+model of W^T; the tool's nodes and packed tensors are then spliced in place of every MatMul that reads W, in
 every graph, under names derived from the weight's (`<weight>_Q4`, `<weight>_scales`, ...). Draft models,
 layer-skip drafts, EAGLE heads (fc and layer) and MLPSpeculator heads are nn.Linear too and are quantized
 the same way; Medusa's own residual blocks are one batched matmul over stacked [heads, H, H] weights, which
@@ -25,7 +26,8 @@ Schemes (`SCHEMES`):
   0.084 asymmetric, 0.090 symmetric, over every 2-D weight. So int4 here is a second rounding of those
   weights, where llama.cpp reads them as they are — unless a weight IS Q4_1 blocks: then (`q4_1_blocks`)
   its q, d and m are read back exactly from the loader's d*q + m and the layer computes the checkpoint's
-  own weights as MatMulNBits(x; q, d, zero point 0) + blocksum(x) @ m^T, the minima's part in float
+  own weights as MatMulNBits(x; q, d, zero point 0) + (x @ E) @ m^T (E [K, K/32] sums each block), the
+  minima's part in float
   (onnxruntime's float zero points would do it in one operator, but its CPU kernel runs them ~65x slower:
   134 ms against 2 ms for SmolLM2's LM head shape at one row, measured here). accuracy_level 4 makes MLAS quantize the activations to
   int8 per block and use integer dot products, which is what llama.cpp does on CPU for Q4_1 (activations as
@@ -106,6 +108,7 @@ class _Template:
     nodes: list[Any]
     arrays: dict[str, np.ndarray]  # suffix (e.g. "_Q4") -> tensor
     opsets: dict[str, int]
+    shared: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # full name -> tensor, any weight
 
 
 def _one_matmul(wt: np.ndarray):
@@ -157,8 +160,8 @@ def q4_1_blocks(w: Tensor, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.
 
 def _q4_1_template(q: Quantization, blocks: tuple[np.ndarray, np.ndarray, np.ndarray]) -> _Template:
     """y = x W^T for W = d*q + m per block, exactly: MatMulNBits over (d, q) with zero points 0, plus the
-    blocks' minima times the per-block sums of x (one small float MatMul)."""
-    from onnx import helper, numpy_helper
+    blocks' minima times the per-block sums of x (two small float MatMuls that keep x's rank)."""
+    from onnx import helper
 
     qs, d, m = blocks
     N, K = qs.shape
@@ -166,21 +169,19 @@ def _q4_1_template(q: Quantization, blocks: tuple[np.ndarray, np.ndarray, np.nda
     packed = (qs[:, 0::2] | (qs[:, 1::2] << 4)).astype(np.uint8).reshape(N, nb, q.block_size // 2)
     zeros = np.zeros(N * ((nb + 1) // 2), dtype=np.uint8)
     X, W, Y = _PLACEHOLDER_X, _PLACEHOLDER_W, _PLACEHOLDER_Y
-    const = lambda name, v: helper.make_node("Constant", [], [name], name=name,  # noqa: E731 (inline: shape inference reads them)
-                                             value=numpy_helper.from_array(np.array(v, dtype=np.int64), name))
+    sums = f"specair.block_sums.{K}x{q.block_size}"  # one per shape, shared by every weight of that K
     nodes = [
-        const("block_shape", [-1, nb, q.block_size]), const("block_axis", [2]),
         helper.make_node("MatMulNBits", [X, W + "_Q4", W + "_scales", W + "_zero_points"], ["scaled"],
                          name="q4", domain="com.microsoft", K=K, N=N, bits=4, block_size=q.block_size,
                          accuracy_level=q.accuracy_level),
-        helper.make_node("Reshape", [X, "block_shape"], ["blocked"], name="blocks"),
-        helper.make_node("ReduceSum", ["blocked", "block_axis"], ["block_sums"], name="block_sums", keepdims=0),
+        helper.make_node("MatMul", [X, sums], ["block_sums"], name="block_sums"),
         helper.make_node("MatMul", ["block_sums", W + "_mins"], ["offsets"], name="mins"),
         helper.make_node("Add", ["scaled", "offsets"], [Y], name="y"),
     ]
     arrays = {"_Q4": packed, "_scales": d.reshape(-1).astype(np.float32), "_zero_points": zeros,
               "_mins": np.ascontiguousarray(m.T.astype(np.float32))}
-    return _Template(nodes, arrays, {"com.microsoft": 1})
+    shared = {sums: np.kron(np.eye(nb, dtype=np.float32), np.ones((q.block_size, 1), np.float32))}
+    return _Template(nodes, arrays, {"com.microsoft": 1}, shared)
 
 
 def _template(q: Quantization, w: Tensor) -> _Template:
@@ -241,16 +242,19 @@ class WeightQuantizer:
         return self._done[key][1]
 
     def rewrite(self, model, tensors: dict[str, Tensor]) -> dict[str, np.ndarray]:
-        """Replace every `Gemm(x, W, transB=1)` reading a 2-D module weight by the quantized subgraph; drop
-        weight inputs nothing reads any more. Returns the new tensors by initializer name."""
+        """Replace every `MatMul(x, Transpose(W, perm=[1, 0]))` reading a 2-D module weight by the quantized
+        subgraph; drop the transposes and weight inputs nothing reads any more. Returns the new tensors by
+        initializer name."""
         from onnx import helper
 
         g = model.graph
+        producer = {o: n for n in g.node for o in n.output}
         new_nodes, arrays, opsets = [], {}, {}
         for n in g.node:
-            w = n.input[1] if n.op_type == "Gemm" and not n.domain and len(n.input) == 2 else None
-            attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
-            if w is None or w not in tensors or tensors[w].dim() != 2 or attrs != {"transB": 1}:
+            tr = producer.get(n.input[1]) if n.op_type == "MatMul" and not n.domain else None
+            w = tr.input[0] if tr is not None and tr.op_type == "Transpose" else None
+            perm = [list(a.ints) for a in tr.attribute if a.name == "perm"] if w is not None else None
+            if w is None or w not in tensors or tensors[w].dim() != 2 or perm != [[1, 0]]:
                 new_nodes.append(n)
                 continue
             if tensors[w].dtype not in (torch.float32,):
@@ -259,6 +263,7 @@ class WeightQuantizer:
             prefix = f"{n.name or n.output[0]}/{self.q.method}"
             rename = {_PLACEHOLDER_X: n.input[0], _PLACEHOLDER_Y: n.output[0], "": ""}
             rename.update({_PLACEHOLDER_W + s: w + s for s in tpl.arrays})
+            rename.update({name: name for name in tpl.shared})
             for t in tpl.nodes:
                 c = type(t)()
                 c.CopyFrom(t)
@@ -268,9 +273,11 @@ class WeightQuantizer:
                         seq[i] = rename.get(name, f"{prefix}/{name}")
                 new_nodes.append(c)
             arrays.update({w + s: a for s, a in tpl.arrays.items()})
+            arrays.update(tpl.shared)
             opsets.update(tpl.opsets)
+        read = {i for x in new_nodes for i in x.input} | {o.name for o in g.output}
         del g.node[:]
-        g.node.extend(new_nodes)
+        g.node.extend(x for x in new_nodes if x.op_type != "Transpose" or x.output[0] in read)
         have = {o.domain for o in model.opset_import}
         for domain, version in opsets.items():
             if domain not in have:
@@ -278,9 +285,10 @@ class WeightQuantizer:
         read = {i for n in g.node for i in n.input}
         for vi in [vi for vi in g.input if vi.name in tensors and vi.name not in read]:
             g.input.remove(vi)
-        left = [n.input[1] for n in g.node if n.op_type in ("Gemm", "MatMul") and len(n.input) > 1
-                and n.input[1] in tensors and tensors[n.input[1]].dim() >= 2]
+        transposed = {o: n.input[0] for n in g.node if n.op_type == "Transpose" for o in n.output}
+        left = [w for n in g.node if n.op_type in ("Gemm", "MatMul") and len(n.input) > 1
+                for w in [transposed.get(n.input[1], n.input[1])] if w in tensors and tensors[w].dim() >= 2]
         if left:
-            raise QuantizationError(f"linear layers reading {sorted(set(left))[:3]} are not in the Gemm(x, W, "
-                                    f"transB=1) form the {self.q.method} rewrite knows; they would stay float")
+            raise QuantizationError(f"linear layers reading {sorted(set(left))[:3]} are not in the MatMul(x, "
+                                    f"Transpose(W)) form the {self.q.method} rewrite knows; they would stay float")
         return arrays

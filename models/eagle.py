@@ -129,7 +129,8 @@ class EagleHead(nn.Module):
         mask = Transformer._mask(self, positions, cache_len, C, tree_mask, x.dtype)  # type: ignore[arg-type]
         hidden, k, v = self.layers[0](x, cos, sin, k_cache[0], v_cache[0], mask,
                                       None if prev_k is None else prev_k[0], None if prev_v is None else prev_v[0],
-                                      AttentionInputs(cache_len, tree_mask, self.config.sliding_window))
+                                      AttentionInputs(cache_len, tree_mask, self.config.sliding_window, positions,
+                                                      (self.rope_cos, self.rope_sin)))
         picked = hidden
         if logits_index is not None:
             picked = hidden.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))

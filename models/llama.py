@@ -51,19 +51,20 @@ def rope_inv_freq(config: ModelConfig, dtype: torch.dtype) -> Tensor:
 
 
 def rope_tables(config: ModelConfig, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin tables [max_positions, head_dim]; float32 math like transformers, float64 for float64 models."""
+    """cos/sin tables [max_positions, head_dim / 2] (one entry per rotated pair, the layout fused rotary
+    kernels take); float32 math like transformers, float64 for float64 models."""
     math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     inv = rope_inv_freq(config, math_dtype)
     pos = torch.arange(config.max_position_embeddings, dtype=math_dtype)
     freqs = torch.outer(pos, inv)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, T, H, D]; cos/sin [B, T, 1, D] (rotate-half layout, as HF checkpoints store q/k)."""
+    """x [B, T, H, D]; cos/sin [B, T, 1, D/2] (rotate-half layout, as HF checkpoints store q/k). The same
+    products and sums as transformers' x*cos + rotate_half(x)*sin over duplicated tables, so bit-equal."""
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -103,23 +104,40 @@ def attend(q: Tensor, k: Tensor, v: Tensor, k_past: Tensor, v_past: Tensor, mask
 
 
 class AttentionInputs(NamedTuple):
-    """What a fused attention kernel needs beyond `attend`'s tensors: the committed length per row and the
-    step's own visibility (tree or causal) among its T tokens, before they become an additive mask."""
+    """What a fused attention kernel needs beyond `attend`'s tensors: the committed length per row, the
+    step's own visibility (tree or causal) among its T tokens before they become an additive mask, and
+    the positions with the whole RoPE tables (a fused rotary kernel indexes them itself)."""
 
     cache_len: Tensor  # [B]
     tree_mask: Tensor | None  # [1 or B, T, T] bool; None: causal
     sliding_window: int | None
+    positions: Tensor  # [B, T]
+    rope: tuple[Tensor, Tensor]  # cos, sin [max_positions, D/2]
 
 
-# The attention kernel every layer calls: `attend`, unless a backend swaps in its own for a capture
+def rope_attend(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_past: Tensor, v_past: Tensor,
+                mask: Tensor, k_prev: Tensor | None, v_prev: Tensor | None, scale: float,
+                heads: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """RoPE, then `attend`, from the projections q [B, T, H*D], k/v [B, T, Hkv*D] (heads = (H, Hkv));
+    returns the output [B, T, H*D] and the rotated k [B, T, Hkv, D]."""
+    B, T, _ = q.shape
+    H, Hkv = heads
+    D = q.shape[-1] // H
+    q = apply_rope(q.view(B, T, H, D), cos, sin)
+    k = apply_rope(k.view(B, T, Hkv, D), cos, sin)
+    return attend(q, k, v.view(B, T, Hkv, D), k_past, v_past, mask, k_prev, v_prev, scale), k
+
+
+# The attention kernel every layer calls: `rope_attend`, unless a backend swaps in its own for a capture
 # (`use_attention`); a replacement takes one more argument, the AttentionInputs.
 _ATTENTION: list = [None]
 
 
 @contextlib.contextmanager
 def use_attention(kernel) -> Iterator[None]:
-    """Run every Attention layer through `kernel(q, k, v, k_past, v_past, mask, k_prev, v_prev, scale, inputs)`
-    (it must compute what `attend` computes) while the block runs; backends use it to capture a fused op."""
+    """Run every Attention layer through `kernel(q, k, v, cos, sin, k_past, v_past, mask, k_prev, v_prev,
+    scale, heads, inputs)` (it must compute what `rope_attend` computes) while the block runs; backends use
+    it to capture a fused op."""
     prev = _ATTENTION[0]
     _ATTENTION[0] = kernel
     try:
@@ -142,15 +160,13 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q = apply_rope(q.view(B, T, H, D), cos, sin)
-        k = apply_rope(k.view(B, T, Hkv, D), cos, sin)
-        v = v.view(B, T, Hkv, D)
         kernel, scale = _ATTENTION[0], 1.0 / math.sqrt(D)
+        args = (q, k, v, cos, sin, k_past, v_past, mask, k_prev, v_prev, scale, (H, Hkv))
         if kernel is None or inputs is None:  # without AttentionInputs (training), no kernel can replace it
-            out = attend(q, k, v, k_past, v_past, mask, k_prev, v_prev, scale)
+            out, k = rope_attend(*args)
         else:
-            out = kernel(q, k, v, k_past, v_past, mask, k_prev, v_prev, scale, inputs)
-        return self.wo(out), k.transpose(1, 2), v.transpose(1, 2)
+            out, k = kernel(*args, inputs)
+        return self.wo(out), k.transpose(1, 2), v.view(B, T, Hkv, D).transpose(1, 2)
 
 
 class FeedForward(nn.Module):
@@ -232,7 +248,8 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(2)
         sin = self.rope_sin[positions].unsqueeze(2)
         mask = self._mask(positions, cache_len, C, tree_mask, x.dtype)
-        att = AttentionInputs(cache_len, tree_mask, self.config.sliding_window)
+        att = AttentionInputs(cache_len, tree_mask, self.config.sliding_window, positions,
+                              (self.rope_cos, self.rope_sin))
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, cos, sin, k_cache[i], v_cache[i], mask,

@@ -58,8 +58,12 @@ class KVSlots:
         k, v = self.scratch[role]
         return {"k_cache": k, "v_cache": v}
 
-    def commit(self, role: str, new_k: Tensor, new_v: Tensor, slots: Tensor, scratch: bool = False) -> None:
-        """Write new K/V [L, B, Hkv, T, D] at slots [B, T] of the role's caches (or its scratch)."""
+    def commit(self, role: str, new_k: Tensor | None, new_v: Tensor | None, slots: Tensor,
+               scratch: bool = False) -> None:
+        """Write new K/V [L, B, Hkv, T, D] at slots [B, T] of the role's caches (or its scratch). None: the
+        graph already wrote them there (a backend's in-place attention, see backends/base.py)."""
+        if new_k is None:
+            return
         commit_kv(*(self.scratch[role] if scratch else self.caches[role]), new_k, new_v, slots)
 
     def resize(self, rows: int, used: int) -> None:

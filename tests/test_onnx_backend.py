@@ -286,6 +286,33 @@ def test_load_without_torch_weights_reads_the_shared_file(model, tmp_path):
     assert_same(f(*graph.example_inputs), graph.eager(*graph.example_inputs))
 
 
+@pytest.mark.parametrize("kind,B", [("decode", 1), ("decode", 2), ("prefill", 1), ("prefill", 2)])
+def test_graphs_that_write_their_kv_in_place_return_none_for_it(model, backend, art, kind, B):
+    """With the catalogue's output names, a fused graph whose new K/V the attention already wrote at
+    slots cache_len.. returns None for them; the cache then holds eager's new K/V there. Graphs the fused
+    op does not cover (several tokens in several rows) still return them."""
+    g = make_graph(kind, B, 64, model)
+    names = {"decode": ("next_tokens", "logits", "hidden", "new_k", "new_v"),
+             "prefill": ("logits", "hidden", "new_k", "new_v")}[kind]
+    graph = GraphDef(f"{kind}_named.b{B}.c64", g.module, g.example_inputs, g.input_names, names)
+    f = backend.compile(graph, art)
+    inputs = [t.clone() for t in graph.example_inputs]
+    got, want = f(*inputs), graph.eager(*graph.example_inputs)
+    k, v = inputs[graph.input_names.index("k_cache")], inputs[graph.input_names.index("v_cache")]
+    written = kind == "decode" or B == 1
+    for name, x, y in zip(names, got, want):
+        if name in ("new_k", "new_v"):
+            assert (x is None) == written
+            if written:
+                cache, T = (k if name == "new_k" else v), y.shape[3]
+                for row, n in enumerate(inputs[1].tolist()):
+                    assert torch.allclose(cache[:, row, :, n:n + T], y[:, row], atol=1e-4)
+            else:
+                assert_same((x,), (y,))
+        else:
+            assert_same((x,), (y,))
+
+
 # ----------------------------------------------------------------------------------- IO binding
 
 
@@ -426,8 +453,9 @@ def test_check_onnx_reports_problems(model, backend, art, tmp_path, capsys):
         backend.compile(make_graph("verify", 1, 64, model), art)
     problems = check_onnx(shared)
     assert any("external data" in p for p in problems)
-    # ... with onnxruntime's fused attention, which ATC does not take either (nothing else is flagged).
-    assert any("com.microsoft::GroupQueryAttention" in p for p in problems) and len(problems) == 3
+    # ... with onnxruntime's fused attention and rotary, which ATC does not take either (nothing else is flagged).
+    assert any("com.microsoft::GroupQueryAttention" in p for p in problems)
+    assert any("com.microsoft::RotaryEmbedding" in p for p in problems) and len(problems) == 4
     # An operator outside CANN's list, a contrib-domain op, float64 and an opset outside 9-13.
     odd = _tiny_onnx(tmp_path / "odd.onnx",
                      [helper.make_node("Unique", ["x"], ["u"]),

@@ -26,6 +26,8 @@ class Backend(ABC):
     of torch tensors in the GraphDef's order. Graphs never change what a later step can see: no input is
     mutated, except that a backend may write a step's own K/V into cache slots at or past each row's
     committed length (onnxruntime's fused attention does), which nothing reads before the runtime commits.
+    Where such a graph wrote a whole `new_k` / `new_v` output at exactly the slots the runtime commits it
+    to (cache_len onwards), it may return None for that output instead; committing None is a no-op.
     """
 
     name: ClassVar[str]

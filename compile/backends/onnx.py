@@ -71,7 +71,7 @@ import torch
 from torch import Tensor
 
 from specair.compile.backends.base import Backend, BackendUnavailable, CompiledGraph
-from specair.compile.backends.onnx_attention import PRESENT, fused_kernel, lower_fused_attention
+from specair.compile.backends.onnx_attention import IN_PLACE, PRESENT, fused_kernel, lower_fused_attention
 from specair.compile.graph_def import GraphDef
 from specair.compile.quantize import WeightQuantizer, parse_quantize
 from specair.models.errors import InputError, SpecairError
@@ -534,13 +534,17 @@ class OrtGraph:
                                      tuple(graph.example_inputs[pos].shape), name in metas, layered.get(pos, ())))
         self._outputs = []  # (name, numpy dtype, torch dtype, static shape or None)
         outs = {m.name: m for m in session.get_outputs()}
+        # Outputs the export dropped because the graph writes them into the caller's cache (None to the caller).
+        self._written = [i for i, name in enumerate(graph.output_names) if name not in outs and name in IN_PLACE]
         for name in graph.output_names:
+            if name not in outs and name in IN_PLACE:
+                continue
             m = outs[name]
             np_dt = _NP_OF_ORT[m.type]
             static = all(isinstance(d, int) and d >= 0 for d in m.shape)
             self._outputs.append((name, np.dtype(np_dt), _TORCH_OF_NP[np_dt], tuple(m.shape) if static else None))
         self._binding = session.io_binding()
-        for name in graph.output_names:  # first, so get_outputs() lists them before in-place cache outputs
+        for name, *_ in self._outputs:  # first, so get_outputs() lists them before in-place cache outputs
             self._binding.bind_output(name, "cpu")
         self._bound: list[int | None] = [None] * len(self._inputs)
         self._lock = threading.Lock()
@@ -592,6 +596,8 @@ class OrtGraph:
                 values = io.get_outputs()
                 outs = [torch.from_numpy(values[j].numpy()) if o is None else o for j, o in enumerate(outs)]
             # Drop references to this call's tensors; the pointers stay bound for the next call.
+        for i in self._written:
+            outs.insert(i, None)
         return tuple(outs)  # type: ignore[arg-type]
 
 
@@ -706,8 +712,8 @@ class OnnxBackend(Backend):
             tmp.unlink(missing_ok=True)
         lower_fused_attention(model)
         tensors = _module_tensors(graph.module)
-        _linear_to_gemm(model, set(tensors))
         quantized = self._quantizer.rewrite(model, tensors) if self._quantizer is not None else {}
+        _linear_to_gemm(model, set(tensors))
         store = self._stores.get(art_dir)
         if store is None or (store.entries and not store.bin.exists()):  # first use, or the directory was wiped
             self._forget_stored(art_dir / WEIGHTS_FILE)

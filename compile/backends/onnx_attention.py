@@ -12,10 +12,11 @@ written; a verify commits the accepted path over it), so the graphs stay correct
 contract that only commits change what attention can see.
 
 Capture: while a graph is exported, `use_attention(kernel)` routes every layer through `kernel`, which
-traces `_Fused` (a `specair::FusedAttention` node) where the fused op applies, and `attend` elsewhere; then
-`lower_fused_attention` turns each node into GroupQueryAttention, replaces the Slice/Gather chain in front
-of its cache inputs by one graph input per layer (`k_cache.<layer>`) and adds the in-place outputs
-(`k_cache.<layer>.present`), which OrtGraph binds to the caller's cache. Applies when the step has no
+traces `_Fused` (a `specair::FusedAttention` node, RoPE included) where the fused op applies, and
+`rope_attend` elsewhere; then `lower_fused_attention` turns each node into two com.microsoft RotaryEmbedding
+nodes (q and k, indexing the whole RoPE tables by position, so trees rotate by depth) and GroupQueryAttention,
+replaces the Slice/Gather chain in front of its cache inputs by one graph input per layer (`k_cache.<layer>`)
+and adds the in-place outputs (`k_cache.<layer>.present`), which OrtGraph binds to the caller's cache. Applies when the step has no
 earlier uncached tokens (`k_prev`), no sliding window, float32, and one row or one token per row (the CPU
 kernel takes several new tokens after a cache only at batch 1); a tree's visibility among its T tokens
 enters as `attention_bias` over the slots, on top of the kernel's causal mask (a tree lists parents
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specair.models.llama import AttentionInputs, attend
+from specair.models.llama import AttentionInputs, rope_attend
 
 DOMAIN = "specair"
 FUSED = "FusedAttention"
@@ -36,22 +37,26 @@ PRESENT = ".present"
 
 class _Fused(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, k_past, v_past, mask, seqlens, bias, scale, shape, slots):  # noqa: ARG004
-        return attend(q, k, v, k_past, v_past, mask, None, None, scale)
+    def forward(ctx, q, k, v, positions, cos, sin, k_past, v_past, mask, seqlens, bias, scale, shape, slots):  # noqa: ARG004
+        B, T, H, Hkv, D = shape
+        c, s = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)
+        out, k_rot = rope_attend(q, k, v, c, s, k_past, v_past, mask, None, None, scale, (H, Hkv))
+        return out, k_rot.reshape(B, T, Hkv * D)
 
     @staticmethod
-    def symbolic(g, q, k, v, k_past, v_past, mask, seqlens, bias, scale, shape, slots):  # noqa: ARG004
-        flat = g.op("Constant", value_t=torch.tensor([0, 0, -1], dtype=torch.int64))
-        args = [g.op("Reshape", x, flat) for x in (q, k, v)] + [k_past, v_past, seqlens]
+    def symbolic(g, q, k, v, positions, cos, sin, k_past, v_past, mask, seqlens, bias, scale, shape, slots):  # noqa: ARG004
+        args = [q, k, v, k_past, v_past, seqlens, positions, cos, sin]
         if bias is not None and not bias.node().mustBeNone():
             args.append(bias)
         B, T, H, Hkv, D = shape
-        out, k_present, v_present = g.op(f"{DOMAIN}::{FUSED}", *args, outputs=3, kv_heads_i=Hkv, slots_i=slots,
-                                         scale_f=scale, batch_i=B, tokens_i=T, heads_i=H, head_dim_i=D)
+        out, k_rot, k_present, v_present = g.op(
+            f"{DOMAIN}::{FUSED}", *args, outputs=4, kv_heads_i=Hkv, slots_i=slots, scale_f=scale, batch_i=B,
+            tokens_i=T, heads_i=H, head_dim_i=D)
         out.setType(q.type().with_sizes([B, T, H * D]))  # static types keep the exporter's shapes static
+        k_rot.setType(q.type().with_sizes([B, T, Hkv * D]))
         for present in (k_present, v_present):
             present.setType(q.type().with_sizes([B, Hkv, slots, D]))
-        return out
+        return out, k_rot
 
 
 def _tree_bias(cache_len: Tensor, tree_mask: Tensor, T: int, slots: int, dtype: torch.dtype) -> Tensor:
@@ -75,17 +80,21 @@ def _static_shape(t: Tensor) -> tuple[int, ...]:
 def fused_kernel(slots: int):
     """The attention kernel for `use_attention` while exporting graphs whose caches have `slots` slots."""
 
-    def kernel(q: Tensor, k: Tensor, v: Tensor, k_past: Tensor, v_past: Tensor, mask: Tensor,
-               k_prev: Tensor | None, v_prev: Tensor | None, scale: float, inputs: AttentionInputs) -> Tensor:
-        B, T, H, D = _static_shape(q)
+    def kernel(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_past: Tensor, v_past: Tensor,
+               mask: Tensor, k_prev: Tensor | None, v_prev: Tensor | None, scale: float, heads: tuple[int, int],
+               inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
+        B, T, HD = _static_shape(q)
+        H, Hkv = heads
+        D = HD // H
         tree = inputs.tree_mask
         if (k_prev is not None or inputs.sliding_window is not None or q.dtype != torch.float32
                 or not (B == 1 or T == 1) or (tree is not None and _static_shape(tree)[-1] != T)):
-            return attend(q, k, v, k_past, v_past, mask, k_prev, v_prev, scale)
+            return rope_attend(q, k, v, cos, sin, k_past, v_past, mask, k_prev, v_prev, scale, heads)
         seqlens = (inputs.cache_len + (T - 1)).to(torch.int32)
         bias = None if tree is None or T == 1 else _tree_bias(inputs.cache_len, tree, T, slots, q.dtype)
-        return _Fused.apply(q, k, v, k_past, v_past, mask, seqlens, bias, scale, (B, T, H, _static_shape(k)[2], D),
-                            slots)
+        out, k_rot = _Fused.apply(q, k, v, inputs.positions, *inputs.rope, k_past, v_past, mask, seqlens, bias,
+                                  scale, (B, T, H, Hkv, D), slots)
+        return out, k_rot.view(B, T, Hkv, D)
 
     return kernel
 
@@ -185,6 +194,7 @@ def lower_fused_attention(model) -> int:
     producers = {o: n for n in g.node for o in n.output}
     inputs = {vi.name: vi for vi in g.input}
     added: set[str] = set()
+    before: dict[str, list] = {}  # GroupQueryAttention node name -> the RotaryEmbedding nodes feeding it
     for n in fused:
         a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
         past = []
@@ -200,15 +210,30 @@ def lower_fused_attention(model) -> int:
             past.append(name)
         total = f"{n.output[0]}/total"
         g.initializer.append(helper.make_tensor(total, TensorProto.INT32, [], [a["slots"]]))
-        args = list(n.input[:3]) + past + [n.input[5], total]
-        if len(n.input) > 6:
-            args += ["", "", "", n.input[6]]  # cos_cache, sin_cache, position_ids unused: RoPE is applied before
+        q, k, v, _, _, seqlens, positions, cos, sin = n.input[:9]
+        name = n.name or n.output[0]
+        q_rot, k_rot = f"{name}/q_rot", n.output[1]
+        # RoPE as GroupQueryAttention's own do_rotary would leave the rotated K only inside the cache, and
+        # the graph returns it (the caller commits it), so it is a node of its own.
+        rotary = [helper.make_node("RotaryEmbedding", [x, positions, cos, sin], [y], name=f"{name}/rotary_{c}",
+                                   domain="com.microsoft") for c, x, y in (("q", q, q_rot), ("k", k, k_rot))]
+        args = [q_rot, k_rot, v] + past + [seqlens, total]
+        if len(n.input) > 9:
+            args += ["", "", "", n.input[9]]  # cos_cache, sin_cache, position_ids unused: RoPE is applied before
         gqa = helper.make_node("GroupQueryAttention", args, [n.output[0]] + [p + PRESENT for p in past],
-                               name=n.name or n.output[0], domain="com.microsoft", num_heads=a["heads"],
+                               name=name, domain="com.microsoft", num_heads=a["heads"],
                                kv_num_heads=a["kv_heads"], scale=a["scale"])
         n.CopyFrom(gqa)
-        g.value_info.append(helper.make_tensor_value_info(
-            n.output[0], TensorProto.FLOAT, [a["batch"], a["tokens"], a["heads"] * a["head_dim"]]))
+        before[name] = rotary
+        B, T, H, Hkv, D = a["batch"], a["tokens"], a["heads"], a["kv_heads"], a["head_dim"]
+        for out, width in ((n.output[0], H * D), (q_rot, H * D), (k_rot, Hkv * D)):
+            g.value_info.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, [B, T, width]))
+    nodes = [r for n in g.node for r in before.get(n.name, []) + [n]]
+    del g.node[:]
+    g.node.extend(nodes)
+    _drop_written_kv(g)
+    _drop_dead(g)
+    _pack_rotary(g)
     _drop_dead(g)
     for imp in list(model.opset_import):
         if imp.domain == DOMAIN:
@@ -216,6 +241,66 @@ def lower_fused_attention(model) -> int:
     if not any(imp.domain == "com.microsoft" for imp in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     return len(fused)
+
+
+IN_PLACE = {"new_k": 1, "new_v": 2}  # graph output -> the GroupQueryAttention input it stacks, layer by layer
+
+
+def _drop_written_kv(g) -> None:
+    """Drop the `new_k` / `new_v` outputs when they only stack what every layer's GroupQueryAttention already
+    wrote into the caller's cache at slots cache_len.. (its K after RoPE, its V), in layer order: the caller
+    would commit exactly those values to exactly those slots, so the graph returns nothing for them
+    (OrtGraph returns None, which KVSlots.commit reads as "written in place")."""
+    producers = {o: n for n in g.node for o in n.output}
+    written: dict[tuple[str, int], int] = {}  # (tensor, GQA input index) -> layer
+    for n in g.node:
+        if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft":
+            layer = int(n.input[3].rpartition(".")[2])
+            for i in IN_PLACE.values():
+                written[n.input[i], i] = layer
+
+    def source(name: str) -> str:
+        while name in producers and producers[name].op_type in ("Unsqueeze", "Transpose", "Reshape", "Identity"):
+            name = producers[name].input[0]
+        return name
+
+    for out in [o for o in g.output if o.name in IN_PLACE]:
+        stack = producers.get(out.name)
+        if stack is None or stack.op_type != "Concat" or [a.i for a in stack.attribute if a.name == "axis"] != [0]:
+            continue
+        layers = [written.get((source(x), IN_PLACE[out.name])) for x in stack.input]
+        if layers == list(range(len(layers))) and len(layers) == len(written) // len(IN_PLACE):
+            g.output.remove(out)
+
+
+def _pack_rotary(g) -> None:
+    """Where nothing but GroupQueryAttention reads the rotated q and k (the graph returns no new K), let it
+    take the packed q|k|v projection and apply RoPE itself (do_rotary, same tables and positions): the
+    Split and both RotaryEmbedding nodes go."""
+    from onnx import helper
+
+    producers = {o: n for n in g.node for o in n.output}
+    readers: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            readers[i] = readers.get(i, 0) + 1
+    for n in g.node:
+        if n.op_type != "GroupQueryAttention" or n.domain != "com.microsoft" or n.input[1] == "":
+            continue
+        rq, rk = producers.get(n.input[0]), producers.get(n.input[1])
+        if not (rq is not None and rk is not None and rq.op_type == rk.op_type == "RotaryEmbedding"
+                and readers[n.input[0]] == readers[n.input[1]] == 1 and rq.input[1:] == rk.input[1:]):
+            continue
+        split = producers.get(rq.input[0])
+        axis = next((a.i for a in split.attribute if a.name == "axis"), 0) if split is not None else None
+        if (split is None or split.op_type != "Split" or axis not in (-1, 2)
+                or list(split.output) != [rq.input[0], rk.input[0], n.input[2]]):
+            continue
+        positions, cos, sin = rq.input[1:4]
+        args = [split.input[0], "", ""] + list(n.input[3:7]) + [cos, sin, positions] + list(n.input[10:])
+        del n.input[:]
+        n.input.extend(args)
+        n.attribute.append(helper.make_attribute("do_rotary", 1))
 
 
 def _drop_dead(g) -> None:
