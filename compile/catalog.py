@@ -1,7 +1,8 @@
 """Every graph a plan needs, as GraphDefs with named example inputs: the one list that `specair compile`
 compiles, artifacts load, and the runtime dispatches by `GraphKey`.
 
-The catalogue owns the target's graphs: `prefill` (batch bucket 1: prompts are prefilled one at a time),
+The catalogue owns the target's graphs: `prefill` per chunk size (batch bucket 1: prompts are prefilled one
+at a time),
 `decode` per sampling variant, and `verify` (score the tree and accept from it) per acceptance method
 and variant. A proposer declares its own graphs (`graph_keys`) and builds them (`build_graph`) with the
 catalogue's helpers; the catalogue knows proposers only through those two methods and a few flags.
@@ -82,7 +83,7 @@ class Catalog:
         """Every graph of the plan, in compile order; none that the runtime never dispatches."""
         p, out = self.plan, []
         for c in p.ctx_buckets:
-            out.append(GraphKey("prefill", 1, c))
+            out += [GraphKey("prefill", 1, c, chunk=p.chunk_key(t)) for t in p.chunk_buckets]
         for b in p.batch_buckets:
             for c in p.ctx_buckets:
                 out += [GraphKey("decode", b, c, variant=v) for v in p.variants]
@@ -144,7 +145,7 @@ class Catalog:
     # ---- the target's graphs --------------------------------------------------------------------------
 
     def _prefill(self, key: GraphKey) -> GraphSpec:
-        B, chunk = key.batch, self.plan.prefill_chunk
+        B, chunk = key.batch, key.chunk or self.plan.prefill_chunk
         inputs = {"tokens": self.zeros(B, chunk), "cache_len": self.zeros(B),
                   "n_valid": torch.ones(B, dtype=L, device=self.device), **self.caches(self.target, B)}
         return GraphSpec(prefill_chunk, {"target": self.target}, {"ctx": key.ctx}, inputs,

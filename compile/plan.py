@@ -15,7 +15,7 @@ VARIANTS = ("greedy", "plain", "filtered")  # sampling graph variants, cheapest 
 
 @dataclass(frozen=True)
 class Plan:
-    """Batch buckets, context buckets (powers of two up to max_context), prefill chunk, sampling
+    """Batch buckets, context buckets (powers of two up to max_context), prefill chunks, sampling
     variants and the speculative step's shape. Serialised into every artifact manifest."""
 
     max_context: int
@@ -27,6 +27,9 @@ class Plan:
     # False: one context bucket (max_context), for backends whose attention reads only the used slots
     # (onnxruntime's fused attention), where more buckets would be identical graphs.
     context_buckets: bool = True
+    # Smaller prefill chunks compiled beside prefill_chunk: a prompt's last chunk runs on the smallest one
+    # that holds it, so a short prompt computes little padding.
+    prefill_chunks: tuple[int, ...] = ()
     tree: TreeShape | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -39,6 +42,10 @@ class Plan:
         if bad or not self.variants:
             raise InputError(f"sampling variants must be among {VARIANTS}, got {self.variants}")
         object.__setattr__(self, "variants", tuple(v for v in VARIANTS if v in self.variants))
+        if self.prefill_chunk < 1 or any(not 0 < c <= self.prefill_chunk for c in self.prefill_chunks):
+            raise InputError(f"prefill chunks must be in 1..prefill_chunk ({self.prefill_chunk}), got "
+                             f"{self.prefill_chunk} and {self.prefill_chunks}")
+        object.__setattr__(self, "prefill_chunks", tuple(sorted(set(self.prefill_chunks) - {self.prefill_chunk})))
         if self.speculative is not None:
             object.__setattr__(self, "tree", tree_shape(self.speculative))
 
@@ -53,6 +60,20 @@ class Plan:
             out.append(c)
             c *= 2
         return tuple(out) + (self.max_context,)
+
+    @property
+    def chunk_buckets(self) -> tuple[int, ...]:
+        """Every prefill chunk size, smallest first."""
+        return self.prefill_chunks + (self.prefill_chunk,)
+
+    def chunk_for(self, tokens: int) -> int:
+        """The chunk size that prefills the next `tokens` prompt tokens: the smallest holding them all, else
+        the largest."""
+        return next((c for c in self.chunk_buckets if c >= tokens), self.prefill_chunk)
+
+    def chunk_key(self, size: int) -> int:
+        """GraphKey.chunk of a prefill graph of `size` tokens (0 for prefill_chunk itself)."""
+        return 0 if size == self.prefill_chunk else size
 
     @property
     def spare_slots(self) -> int:
@@ -90,6 +111,7 @@ class Plan:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tree"}
         d["speculative"] = dataclasses.asdict(self.speculative) if self.speculative else None
         d["batch_buckets"], d["variants"] = list(self.batch_buckets), list(self.variants)
+        d["prefill_chunks"] = list(self.prefill_chunks)
         return d
 
     @classmethod
@@ -98,4 +120,5 @@ class Plan:
         if d.get("speculative") is not None:
             d["speculative"] = SpeculativeConfig.parse(d["speculative"])
         d["batch_buckets"], d["variants"] = tuple(d["batch_buckets"]), tuple(d["variants"])
+        d["prefill_chunks"] = tuple(d.get("prefill_chunks", ()))
         return cls(**d)

@@ -100,10 +100,17 @@ def _plan(target: Transformer, spec: SpeculativeConfig | None, max_context: int 
           backend: Any = None, draft: Any = None, **kw: Any) -> Plan:
     """The plan; with one context bucket where every graph's attention reads only the used cache slots
     (onnxruntime's fused attention covers one-row graphs and one-token steps, not a draft's steps over
-    earlier drafted tokens), so more buckets would only be identical graphs to compile."""
+    earlier drafted tokens), so more buckets would only be identical graphs to compile. Where graphs are
+    cheap to have (eager: none compiled; one context bucket), smaller prefill chunks too
+    (PREFILL_CHUNK_MIN up to prefill_chunk, doubling), so short prompts compute little padding."""
     cfg = target.config
     length_aware = (getattr(backend, "fuse_attention", False) and draft is None
                     and (spec is None or tuple(kw.get("batch_buckets", (1,))) == (1,)))
+    if length_aware or backend is None or backend.name == "eager":
+        top, chunks = kw.get("prefill_chunk", Plan.prefill_chunk), []
+        while PREFILL_CHUNK_MIN * 2 ** len(chunks) < top:
+            chunks.append(PREFILL_CHUNK_MIN * 2 ** len(chunks))
+        kw.setdefault("prefill_chunks", tuple(chunks))
     return Plan(max_context=min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings),
                 speculative=spec, dtype=dtype, context_buckets=not length_aware, **kw)
 
@@ -115,6 +122,7 @@ def _log_spec(plan: Plan, backend: str) -> None:
             f"acceptance={s.acceptance}, backend={backend})")
 
 
+PREFILL_CHUNK_MIN = 16
 AUTO = "auto"
 AUTO_MAX_CONTEXT = 2048  # the cached build's default context
 AUTO_VARIANTS = ("greedy", "filtered")  # plain sampling rows run exactly on the filtered graphs

@@ -36,7 +36,7 @@ class Engine:
                  max_waiting: int = 64, model_name: str = "specair") -> None:
         self.target, self.tokenizer, self.proposer, self.graphs = target, tokenizer, proposer, graphs
         self.plan, self.catalog = graphs.plan, graphs.catalog
-        self.max_context, self.chunk, self.model_name = self.plan.max_context, self.plan.prefill_chunk, model_name
+        self.max_context, self.model_name = self.plan.max_context, model_name
         self.depth = self.plan.tree.depth if self.plan.tree else 0
         self.device = graphs.device
         self.sched = Scheduler(self.plan, target.config.vocab_size, tokenizer, target.dtype, max_waiting, self.depth)
@@ -136,16 +136,19 @@ class Engine:
         """One chunk of the prefilling request into the scratch cache (its proposer's cache alongside)."""
         if s.prefilled == 0 and self.proposer is not None:
             self.proposer.start(s)
-        start, n = s.prefilled, min(self.chunk, len(s.prompt) - s.prefilled)
-        tokens = torch.zeros(1, self.chunk, dtype=torch.long)
+        start = s.prefilled
+        chunk = self.plan.chunk_for(len(s.prompt) - start)
+        n = min(chunk, len(s.prompt) - start)
+        tokens = torch.zeros(1, chunk, dtype=torch.long)
         tokens[0, :n] = torch.tensor(s.prompt[start:start + n])
         tokens = tokens.to(self.device)
         ctx = self.plan.context_bucket(max(start, 1))
         cache_len = torch.tensor([start], device=self.device)
-        out = self.graphs(GraphKey("prefill", 1, ctx), tokens=tokens, cache_len=cache_len,
-                          n_valid=torch.tensor([n], device=self.device), **self.kv.scratch_inputs("target"))
+        out = self.graphs(GraphKey("prefill", 1, ctx, chunk=self.plan.chunk_key(chunk)), tokens=tokens,
+                          cache_len=cache_len, n_valid=torch.tensor([n], device=self.device),
+                          **self.kv.scratch_inputs("target"))
         self.kv.commit("target", out["new_k"], out["new_v"], cache_len.unsqueeze(1) + torch.arange(
-            self.chunk, device=self.device), scratch=True)
+            chunk, device=self.device), scratch=True)
         if self.proposer is not None:
             self.proposer.prefill_chunk(s, tokens, start, n, ctx, out["hidden"])
         s.prefilled += n

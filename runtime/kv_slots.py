@@ -46,8 +46,9 @@ class KVSlots:
                 # The scratch caches feed only the prompt-prefill graphs.
                 for r in models:
                     for c in plan.ctx_buckets:
-                        for name, t in zip(("k_cache", "v_cache"), self.scratch[r]):
-                            graphs.bind(name, t, r, GraphKey(PROMPT_PREFILL[r], 1, c))
+                        for t in plan.chunk_buckets:
+                            for name, cache in zip(("k_cache", "v_cache"), self.scratch[r]):
+                                graphs.bind(name, cache, r, GraphKey(PROMPT_PREFILL[r], 1, c, chunk=plan.chunk_key(t)))
 
     def __getitem__(self, role: str) -> dict[str, Tensor]:
         """The current bucket's caches of a role, as graph inputs."""

@@ -51,7 +51,8 @@ class CachedDraft(Proposer):
     def graph_keys(self, plan: Plan) -> list[GraphKey]:
         # Prompts prefill into the one-row scratch cache ("draft_prefill"), running rows catch up in their
         # own cache ("draft_sync"): two graphs, so a static-buffer backend binds each to its own memory.
-        return [GraphKey("draft_prefill", 1, c) for c in plan.ctx_buckets] + [
+        return [GraphKey("draft_prefill", 1, c, chunk=plan.chunk_key(t)) for c in plan.ctx_buckets
+                for t in plan.chunk_buckets] + [
             k for b in plan.batch_buckets for c in plan.ctx_buckets
             for k in [GraphKey("draft_sync", b, c)] + [self.draft_key(b, c, v) for v in plan.variants]]
 
@@ -60,7 +61,7 @@ class CachedDraft(Proposer):
         caches = cat.caches(self.draft, B)
         H = cat.hidden_size
         if key.kind in ("draft_prefill", "draft_sync"):
-            chunk = self.plan.prefill_chunk
+            chunk = key.chunk or self.plan.prefill_chunk
             inputs = {"tokens": cat.zeros(B, chunk), "cache_len": cat.zeros(B),
                       "n_valid": torch.ones(B, dtype=L, device=cat.device), **caches}
             if self.reads_hidden:
@@ -100,7 +101,8 @@ class CachedDraft(Proposer):
             tokens = shifted.to(self.device)
         cache_len = torch.tensor([start], device=self.device)
         extra = {"input_hidden": hidden} if self.reads_hidden else {}
-        out = self.graphs(GraphKey("draft_prefill", 1, ctx), tokens=tokens, cache_len=cache_len,
+        key = GraphKey("draft_prefill", 1, ctx, chunk=self.plan.chunk_key(tokens.shape[1]))
+        out = self.graphs(key, tokens=tokens, cache_len=cache_len,
                           n_valid=torch.tensor([m], device=self.device), **self.kv.scratch_inputs("draft"), **extra)
         self.kv.commit("draft", out["new_k"], out["new_v"],
                        cache_len.unsqueeze(1) + torch.arange(tokens.shape[1], device=self.device), scratch=True)
