@@ -8,6 +8,7 @@ mismatch with a message that says how to recompile.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import platform
@@ -41,8 +42,20 @@ def tokenizer_fingerprint(tokenizer: Any) -> str | None:
     return hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest()
 
 
+@functools.cache
+def source_digest() -> str:
+    """A digest of the code that decides what a graph computes (models, graphs, compile), so artifacts built
+    by other code under the same version number are stale, not silently reused."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(p for d in ("models", "graphs", "compile") for p in (root / d).rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def versions(backend: Backend) -> dict[str, str]:
-    return {"specair": __version__, "python": platform.python_version(), **backend.versions()}
+    return {"specair": __version__, "specair_source": source_digest(), "python": platform.python_version(),
+            **backend.versions()}
 
 
 def quantization(backend: Backend) -> dict[str, Any] | None:
