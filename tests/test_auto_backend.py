@@ -118,3 +118,8 @@ def test_fused_attention_plans_have_one_context_bucket(tiny_dir):
     assert len(build._plan(models.target, None, 200, "fp32", backend=eager, draft=None).ctx_buckets) > 1
     assert len(build._plan(models.target, None, 200, "fp32", backend=OnnxBackend(self_contained=True),
                            draft=None).ctx_buckets) > 1
+    # Smaller prefill chunks where graphs are cheap to have (one context bucket, or eager), not elsewhere.
+    assert one.chunk_buckets == (16, 32, 64, 128)
+    assert build._plan(models.target, None, 200, "fp32", backend=eager, draft=None).chunk_buckets == (16, 32, 64, 128)
+    assert build._plan(models.target, spec, 200, "fp32", backend=onnx, draft=object(),
+                       batch_buckets=(1,)).chunk_buckets == (128,)

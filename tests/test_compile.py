@@ -120,6 +120,10 @@ def test_artifacts_roundtrip_and_refusals(tiny, tmp_path):
         graphs(GraphKey("verify", 2, 64, "greedy"))
     with pytest.raises(ArtifactError, match="target differs.*HINT"):
         load_artifacts(cat, eager, tmp_path, manifest, {**fingerprints(), "target": "xyz"}, "HINT")
+    # Built by other specair code under the same version number: stale.
+    other_code = {**manifest, "versions": {**manifest["versions"], "specair_source": "0" * 16}}
+    with pytest.raises(ArtifactError, match="specair_source is [0-9a-f]{16} but they were built with 0{16}.*HINT"):
+        load_artifacts(cat, eager, tmp_path, other_code, fingerprints(), "HINT")
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(ArtifactError, match="corrupt"):
         read_manifest(tmp_path)

@@ -187,3 +187,25 @@ def test_seeded_sampling_is_reproducible_in_a_batch(tiny64):
     batch = run(engine_from_models(target, None, draft, spec, prefill_chunk=16, batch_buckets=(1, 2, 4)),
                 PROMPTS[:3], [20, 20, 20], **kw)
     assert batch[0].token_ids == alone_.token_ids
+
+
+def test_prompts_prefill_on_the_smallest_chunk_that_holds_them(tiny64, alone):
+    """With chunk buckets 16/32/64 a prompt's last chunk runs on the smallest graph holding it (a 7-token
+    prompt on t16, 40 tokens on 64, 20 on 32) and every output equals the 16-token-chunk engine's."""
+    engine = engine_from_models(tiny64[0], prefill_chunk=64)
+    assert engine.plan.chunk_buckets == (16, 32, 64)
+    calls, graphs = [], engine.graphs
+
+    class Recording:
+        def __call__(self, key, **inputs):
+            calls.append((key.kind, key.chunk, tuple(inputs["tokens"].shape) if key.kind == "prefill" else None))
+            return graphs(key, **inputs)
+
+        def __getattr__(self, name):
+            return getattr(graphs, name)
+
+    engine.graphs = Recording()
+    assert [r.token_ids for r in run(engine)] == alone
+    chunks = [(c, shape) for kind, c, shape in calls if kind == "prefill"]
+    # PROMPTS lengths 19, 3, 40, 7, 40: 32; 16; 64; 16; 64 (the plan's own chunk is GraphKey.chunk 0).
+    assert chunks == [(32, (1, 32)), (16, (1, 16)), (0, (1, 64)), (16, (1, 16)), (0, (1, 64))]
