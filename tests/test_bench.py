@@ -206,7 +206,7 @@ def test_artifact_configurations_take_their_plan_from_the_manifest(tiny_with_tok
     compile_plan(str(tiny_with_tokenizer), "fp32", '{"method": "ngram", "num_speculative_tokens": 2}', "eager",
                  str(art), (1,), 128, ("greedy",), 64, None)
     cfgs = bench.parse_configs([None, {"artifacts": str(art)}])
-    assert [c.label for c in cfgs] == ["autoregressive", "ngram k=2 prompt_lookup_min=1 prompt_lookup_max=4"]
+    assert [c.label for c in cfgs] == ["autoregressive", "ngram k=2 prompt_lookup_min=2 prompt_lookup_max=4"]
     c = cfgs[1]
     assert (c.backend, c.dtype, c.quantize, c.speculative_config["method"]) == ("eager", "fp32", None, "ngram")
     assert c.baseline_key == cfgs[0].baseline_key  # same arithmetic: eager autoregressive is its baseline

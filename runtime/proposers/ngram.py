@@ -60,7 +60,9 @@ class Ngram(Proposer):
 
     @classmethod
     def check_config(cls, raw: dict[str, Any]) -> dict[str, Any]:
-        lo, hi = raw.get("prompt_lookup_min") or 1, raw.get("prompt_lookup_max") or 4
+        # A one-token match is mostly chance; from two tokens on, a proposal is worth its verify pass.
+        hi = raw.get("prompt_lookup_max") or 4
+        lo = raw.get("prompt_lookup_min") or min(2, hi)
         if lo > hi:
             raise InputError(f"'prompt_lookup_min' ({lo}) exceeds 'prompt_lookup_max' ({hi})")
         if raw.get("tree") not in (None, "chain"):
