@@ -71,7 +71,7 @@ class Ngram(Proposer):
 
     @classmethod
     def config_defaults(cls, model: str | None) -> dict[str, Any]:
-        # On CPU a 5-token verify costs ~1.6 decode steps: longer chains stop paying at n-gram acceptance.
+        # On CPU a 5-token verify costs ~2 decode steps: longer chains stop paying at n-gram acceptance.
         return {"num_speculative_tokens": 4}
 
     def start(self, seq: Seq) -> None:
