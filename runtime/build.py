@@ -107,9 +107,10 @@ def _plan(target: Transformer, spec: SpeculativeConfig | None, max_context: int 
     length_aware = (getattr(backend, "fuse_attention", False) and draft is None
                     and (spec is None or tuple(kw.get("batch_buckets", (1,))) == (1,)))
     if length_aware or backend is None or backend.name == "eager":
-        top, chunks = kw.get("prefill_chunk", Plan.prefill_chunk), []
-        while PREFILL_CHUNK_MIN * 2 ** len(chunks) < top:
-            chunks.append(PREFILL_CHUNK_MIN * 2 ** len(chunks))
+        top, chunks, c = kw.get("prefill_chunk", Plan.prefill_chunk), [], PREFILL_CHUNK_MIN
+        while c < top:
+            chunks.append(c)
+            c *= 2
         kw.setdefault("prefill_chunks", tuple(chunks))
     return Plan(max_context=min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings),
                 speculative=spec, dtype=dtype, context_buckets=not length_aware, **kw)

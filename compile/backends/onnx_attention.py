@@ -16,11 +16,11 @@ traces `_Fused` (a `specair::FusedAttention` node, RoPE included) where the fuse
 `rope_attend` elsewhere; then `lower_fused_attention` turns each node into two com.microsoft RotaryEmbedding
 nodes (q and k, indexing the whole RoPE tables by position, so trees rotate by depth) and GroupQueryAttention,
 replaces the Slice/Gather chain in front of its cache inputs by one graph input per layer (`k_cache.<layer>`)
-and adds the in-place outputs (`k_cache.<layer>.present`), which OrtGraph binds to the caller's cache. Applies when the step has no
-earlier uncached tokens (`k_prev`), no sliding window, float32, and one row or one token per row (the CPU
-kernel takes several new tokens after a cache only at batch 1); a tree's visibility among its T tokens
-enters as `attention_bias` over the slots, on top of the kernel's causal mask (a tree lists parents
-before children, so ancestors are always earlier).
+and adds the in-place outputs (`k_cache.<layer>.present`), which OrtGraph binds to the caller's cache.
+Applies when the step has no earlier uncached tokens (`k_prev`), no sliding window, float32, and one row
+or one token per row (the CPU kernel takes several new tokens after a cache only at batch 1); a tree's
+visibility among its T tokens enters as `attention_bias` over the slots, on top of the kernel's causal
+mask (a tree lists parents before children, so ancestors are always earlier).
 """
 
 from __future__ import annotations
@@ -213,8 +213,8 @@ def lower_fused_attention(model) -> int:
         q, k, v, _, _, seqlens, positions, cos, sin = n.input[:9]
         name = n.name or n.output[0]
         q_rot, k_rot = f"{name}/q_rot", n.output[1]
-        # RoPE as GroupQueryAttention's own do_rotary would leave the rotated K only inside the cache, and
-        # the graph returns it (the caller commits it), so it is a node of its own.
+        # RoPE as nodes of their own, because GroupQueryAttention's do_rotary would leave the rotated K only
+        # inside the cache; where the graph returns no new K, _pack_rotary folds them into do_rotary.
         rotary = [helper.make_node("RotaryEmbedding", [x, positions, cos, sin], [y], name=f"{name}/rotary_{c}",
                                    domain="com.microsoft") for c, x, y in (("q", q, q_rot), ("k", k, k_rot))]
         args = [q_rot, k_rot, v] + past + [seqlens, total]
