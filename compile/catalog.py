@@ -171,6 +171,7 @@ class Catalog:
         else:
             buf = tree.template.buffers()
             static["tree"] = self.on_device(buf)
+            static["chain"] = bool((buf.parents == torch.arange(T) - 1).all())
             if spec.scorer == "batch_expansion":
                 static["expansion"] = self.on_device(leaf_paths(buf.paths, buf.children))
         if key.method == "rejection":

@@ -69,14 +69,17 @@ def verify_and_accept(target: Transformer, tree_tokens: Tensor, root_pos: Tensor
                       top_p: Tensor | None = None, *, ctx: int, acceptance: str, max_depth: int, max_width: int,
                       tree: TreeBuffers | None = None, expansion: tuple[Tensor, Tensor, Tensor] | None = None,
                       filtered: bool = True, posterior_threshold: float = 0.09,
-                      posterior_alpha: float = 0.3) -> tuple[Tensor, ...]:
+                      posterior_alpha: float = 0.3, chain: bool = False) -> tuple[Tensor, ...]:
     """Score a token tree and accept from it in one graph, so the target's logits never leave it.
 
     tree_tokens [B, T] (node 0 = root); root_pos [B]; a static tree's buffers come as `tree` (on the
     graph's device), a per-row tree as `parents` [B, T]; `expansion` (static trees only) scores one
     causal row per leaf path instead of the tree mask. `acceptance` (static) is "greedy", "typical" or
     "rejection": rejection needs uniforms [B, T+1] and the sampling tensors [B], and `draft_probs`
-    [B, T, V] only for sampled proposals (None: every node was chosen deterministically).
+    [B, T, V] only for sampled proposals (None: every node was chosen deterministically). `chain`: the
+    static tree is one path, so attention is plain causal and the K/V returned are every node's own at
+    its own slot, which on the accepted prefix is the accepted path's (the slots after it are past the
+    committed length, where nothing reads).
 
     Returns num_accepted [B], tokens [B, D+1] (accepted, then the bonus; -1 after), node_ids [B, D+1],
     and the accepted path's hidden states [B, D+1, H] and K/V [L, B, Hkv, D+1, Dh] for slots root_pos + 0..D.
@@ -90,7 +93,7 @@ def verify_and_accept(target: Transformer, tree_tokens: Tensor, root_pos: Tensor
     if expansion is not None:
         out = expanded_verify(target, tree_tokens, *expansion, root_pos, k_cache, v_cache, ctx)
     else:
-        out = tree_verify(target, tree_tokens, depth, mask, root_pos, k_cache, v_cache, ctx)
+        out = tree_verify(target, tree_tokens, depth, None if chain else mask, root_pos, k_cache, v_cache, ctx)
     if acceptance == "greedy":
         res = accept_greedy(tree_tokens, out.logits, paths)
     elif acceptance == "typical":
@@ -101,6 +104,8 @@ def verify_and_accept(target: Transformer, tree_tokens: Tensor, root_pos: Tensor
                                max_depth=max_depth, filtered=filtered)
     nodes = res.node_ids.clamp(min=0)
     hidden = out.hidden.gather(1, nodes.unsqueeze(-1).expand(-1, -1, out.hidden.shape[-1]))
+    if chain and expansion is None:
+        return res.num_accepted, res.tokens, res.node_ids, hidden, out.new_k, out.new_v
     L, _, H, _, D = out.new_k.shape
     index = nodes.view(1, B, 1, -1, 1).expand(L, B, H, nodes.shape[1], D)
     return res.num_accepted, res.tokens, res.node_ids, hidden, out.new_k.gather(3, index), out.new_v.gather(3, index)

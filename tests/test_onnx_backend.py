@@ -313,6 +313,44 @@ def test_graphs_that_write_their_kv_in_place_return_none_for_it(model, backend, 
             assert_same((x,), (y,))
 
 
+@pytest.mark.parametrize("B", [1, 2])
+def test_chain_verify_writes_its_kv_in_place(model, backend, art, B):
+    """A chain's verify returns every node's K/V at its own slot; fused (one row) it returns None for them
+    and the cache holds them there. On the accepted prefix that is what the tree-masked verify returns."""
+    chain = get_template("chain", 3).buffers()
+    static = {"ctx": 64, "acceptance": "greedy", "max_depth": 3, "max_width": 1, "tree": chain}
+    names = ("tree_tokens", "root_pos", "k_cache", "v_cache")
+    outs = ("num_accepted", "tokens", "node_ids", "path_hidden", "path_k", "path_v")
+    g = torch.Generator().manual_seed(3)
+    k, v = model.empty_cache(B, SLOTS)
+    k.normal_(generator=g)
+    v.normal_(generator=g)
+    root = torch.tensor([12, 40][:B])
+    tokens = torch.randint(0, V, (B, 4), generator=g)
+    # Make the drafts the target's own greedy choices, so acceptance runs past the root.
+    for i in range(1, 4):
+        logits = tree_verify(model, tokens, torch.arange(4), chain.ancestor_mask.unsqueeze(0), root, k, v, 64).logits
+        tokens[:, i] = logits[:, i - 1].argmax(-1)
+    tokens[-1, 3] = (tokens[-1, 3] + 1) % V  # the last row rejects its last draft
+    graph = GraphDef(f"verify_chain.b{B}.c64", GraphModule(verify_and_accept, {"target": model}, {**static, "chain": True},
+                                                            names), (tokens, root, k, v), names, outs)
+    f = backend.compile(graph, art)
+    inputs = [t.clone() for t in graph.example_inputs]
+    got, want = f(*inputs), graph.eager(*graph.example_inputs)
+    masked = GraphModule(verify_and_accept, {"target": model}, static, names)(*graph.example_inputs)
+    n_acc = want[0]
+    assert n_acc.tolist() == masked[0].tolist() and n_acc[0] >= 1 and n_acc[-1] == 2
+    assert_same(got[:4], want[:4])
+    for j in (4, 5):
+        slots = inputs[2 + j - 4]
+        for row, (r, n) in enumerate(zip(root.tolist(), n_acc.tolist())):
+            keep = slice(0, n + 1)
+            assert torch.allclose(want[j][:, row, :, keep], masked[j][:, row, :, keep], atol=1e-5)
+            written = got[j][:, row] if got[j] is not None else slots[:, row, :, r:r + 4]
+            assert torch.allclose(written[:, :, keep], want[j][:, row, :, keep], atol=1e-4)
+        assert (got[j] is None) == (B == 1)
+
+
 # ----------------------------------------------------------------------------------- IO binding
 
 

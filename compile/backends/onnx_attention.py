@@ -243,7 +243,9 @@ def lower_fused_attention(model) -> int:
     return len(fused)
 
 
-IN_PLACE = {"new_k": 1, "new_v": 2}  # graph output -> the GroupQueryAttention input it stacks, layer by layer
+# graph output -> the GroupQueryAttention input it stacks, layer by layer (a chain's verify returns every
+# node's K/V at its own slot, like a prefill chunk)
+IN_PLACE = {"new_k": 1, "new_v": 2, "path_k": 1, "path_v": 2}
 
 
 def _drop_written_kv(g) -> None:
@@ -269,7 +271,7 @@ def _drop_written_kv(g) -> None:
         if stack is None or stack.op_type != "Concat" or [a.i for a in stack.attribute if a.name == "axis"] != [0]:
             continue
         layers = [written.get((source(x), IN_PLACE[out.name])) for x in stack.input]
-        if layers == list(range(len(layers))) and len(layers) == len(written) // len(IN_PLACE):
+        if layers == list(range(len(layers))) and len(layers) == len(written) // len(set(IN_PLACE.values())):
             g.output.remove(out)
 
 
