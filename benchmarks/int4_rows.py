@@ -1,0 +1,84 @@
+"""What an int4 linear layer costs per row: onnxruntime's MatMulNBits (block 32, the onnx backend's int4)
+at accuracy levels 4 (int8 activations) and 0 (float), and torch's int4-packed CPU matmul, for M = 1..32
+rows of activations. One node per session, the process-wide thread pool, median of 15 × 20 calls (µs):
+
+    python benchmarks/int4_rows.py --threads 2
+
+A verify pass of T tokens runs every linear layer at M = T, so this is what sets its cost over a decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+
+SHAPES = [(576, 3072), (1536, 576)]  # SmolLM2-135M: gate|up packed, down
+ROWS = (1, 2, 5, 9, 16, 32)
+
+
+def median_us(f: Callable[[], object]) -> float:
+    for _ in range(20):
+        f()
+    times = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            f()
+        times.append((time.perf_counter() - t0) / 20 * 1e6)
+    return statistics.median(times)
+
+
+def mnb_session(K: int, N: int, M: int, level: int):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    nb = K // 32
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.integers(0, 256, (N, nb, 16), dtype=np.uint8), "q"),
+             numpy_helper.from_array(rng.random(N * nb, dtype=np.float32), "s"),
+             numpy_helper.from_array(np.zeros(N * ((nb + 1) // 2), np.uint8), "z")]
+    node = helper.make_node("MatMulNBits", ["x", "q", "s", "z"], ["y"], domain="com.microsoft", K=K, N=N, bits=4,
+                            block_size=32, accuracy_level=level)
+    graph = helper.make_graph([node], "mnb", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, N])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    so = ort.SessionOptions()
+    so.use_per_session_threads = False
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-torch", action="store_true", help="skip torch's int4-packed matmul")
+    args = ap.parse_args()
+    import onnxruntime as ort
+    import torch
+
+    ort.capi._pybind_state.set_global_thread_pool_sizes(args.threads, 1)
+    torch.set_num_threads(args.threads)
+    print("| weight (K × N) | kernel | " + " | ".join(f"M={m}" for m in ROWS) + " |")
+    print("|---|---|" + "---|" * len(ROWS))
+    for K, N in SHAPES:
+        for level in (4, 0):
+            cells = []
+            for M in ROWS:
+                s, x = mnb_session(K, N, M, level), np.random.rand(M, K).astype(np.float32)
+                cells.append(median_us(lambda: s.run(None, {"x": x})))
+            print(f"| {K} × {N} | MatMulNBits level {level} | " + " | ".join(f"{c:.0f}" for c in cells) + " |", flush=True)
+        if not args.no_torch:
+            packed = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (N, K), dtype=torch.int32), 1)
+            scales_zeros = torch.rand(K // 32, N, 2)
+            cells = []
+            for M in ROWS:
+                x = torch.rand(M, K)
+                cells.append(median_us(lambda: torch._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)))
+            print(f"| {K} × {N} | torch int4pack (fp32) | " + " | ".join(f"{c:.0f}" for c in cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
