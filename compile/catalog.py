@@ -140,7 +140,8 @@ class Catalog:
 
     @property
     def hidden_size(self) -> int:
-        return self.target.config.hidden_size
+        """The width of the target's `hidden` output (its feature size)."""
+        return self.target.feature_size
 
     # ---- the target's graphs --------------------------------------------------------------------------
 

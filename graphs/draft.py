@@ -16,7 +16,8 @@ An EAGLE head drafts through the same loops when given `catch_hidden` [B, W, H],
 state paired with each catch-up token (entry p of the head's cache holds token x_{p+1} with target
 hidden h_p). Drafted nodes have no target hidden state, so each takes the head's own output feature
 at its parent instead (EAGLE's feature extrapolation); a depth-1 node's parent output is the head's
-output at the last real catch-up entry (the root).
+output at the last real catch-up entry (the root). An EAGLE-3 head's catch_hidden is the target's
+fused features [B, W, 3H], and its drafted nodes take its own outputs [.., H] the same way.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from specair.graphs.sampling import request_probs, sample_from_probs
 from specair.graphs.steps import prefill_chunk
 from specair.graphs.tree import TreeBuffers, TreeTemplate
 from specair.models.eagle import EagleHead
+from specair.models.eagle3 import Eagle3Head
 from specair.models.llama import Transformer
 
-Draft = Transformer | EagleHead
+Draft = Transformer | EagleHead | Eagle3Head
 
 
 class _Step:

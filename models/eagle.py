@@ -165,9 +165,13 @@ def lm_logits(hidden: Tensor, weight: Tensor, draft_vocab: Tensor | None, draft_
     if draft_vocab is None:
         return hidden @ weight.t()
     small = hidden @ draft_weight.t()
-    if reduced:
-        return small
-    full = torch.full((*small.shape[:-1], weight.shape[0]), torch.finfo(small.dtype).min, dtype=small.dtype,
+    return small if reduced else scatter_vocab(small, draft_vocab, weight.shape[0])
+
+
+def scatter_vocab(small: Tensor, draft_vocab: Tensor, vocab_size: int) -> Tensor:
+    """Draft-vocabulary logits [..., Vd] as full-vocabulary logits [..., V]: entry draft_vocab[i] holds
+    small[..., i], every other token finfo.min."""
+    full = torch.full((*small.shape[:-1], vocab_size), torch.finfo(small.dtype).min, dtype=small.dtype,
                       device=small.device)
     return full.scatter(-1, draft_vocab.expand(small.shape), small)
 

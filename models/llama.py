@@ -24,9 +24,20 @@ from specair.models.errors import ModelFormatError
 
 class ModelOutput(NamedTuple):
     logits: Tensor  # [B, n, V] at `logits_index` (n = T when it is None)
-    hidden: Tensor  # [B, T, H] after the final norm (what EAGLE and Medusa heads read)
+    hidden: Tensor  # [B, T, F]: after the final norm (F = H; what EAGLE and Medusa heads read), or a feature view's
+    # layer inputs side by side (F = H x their count; what EAGLE-3 reads), see `with_features`
     new_k: Tensor  # [L, B, Hkv, T, D]
     new_v: Tensor  # [L, B, Hkv, T, D]
+
+
+def static_shape(t: Tensor) -> tuple[int, ...]:
+    """t's shape as Python ints, unrecorded: every graph's shapes are static, so a trace may bake them in."""
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        return tuple(int(d) for d in t.shape)
+    finally:
+        torch._C._set_tracing_state(state)
 
 
 def rope_inv_freq(config: ModelConfig, dtype: torch.dtype) -> Tensor:
@@ -211,10 +222,16 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(c, dtype)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.feature_layers: tuple[int, ...] = ()
 
     @property
     def dtype(self) -> torch.dtype:
         return self.tok_embeddings.weight.dtype
+
+    @property
+    def feature_size(self) -> int:
+        """The width of `ModelOutput.hidden`: H, or H per feature layer of a feature view."""
+        return self.config.hidden_size * max(1, len(self.feature_layers))
 
     def lm_head(self, hidden: Tensor) -> Tensor:
         w = self.tok_embeddings.weight if self.output is None else self.output.weight
@@ -250,8 +267,10 @@ class Transformer(nn.Module):
         mask = self._mask(positions, cache_len, C, tree_mask, x.dtype)
         att = AttentionInputs(cache_len, tree_mask, self.config.sliding_window, positions,
                               (self.rope_cos, self.rope_sin))
-        new_k, new_v = [], []
+        new_k, new_v, features = [], [], []
         for i, layer in enumerate(self.layers):
+            if i in self.feature_layers:
+                features.append(x)
             x, k, v = layer(x, cos, sin, k_cache[i], v_cache[i], mask,
                             None if prev_k is None else prev_k[i], None if prev_v is None else prev_v[i], att)
             new_k.append(k)
@@ -260,6 +279,8 @@ class Transformer(nn.Module):
         picked = hidden
         if logits_index is not None:
             picked = hidden.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        if self.feature_layers:
+            hidden = torch.cat(features, dim=-1)
         return ModelOutput(self.lm_head(picked), hidden, torch.stack(new_k), torch.stack(new_v))
 
     def _mask(self, positions: Tensor, cache_len: Tensor, C: int, tree_mask: Tensor | None,
@@ -327,6 +348,26 @@ def build_model(config: ModelConfig, state_dict: dict[str, Tensor],
     model.rope_cos, model.rope_sin = cos, sin
     return model.eval().requires_grad_(False)
 
+
+
+def with_features(model: Transformer, layers: tuple[int, ...]) -> Transformer:
+    """The model, sharing its weights, with `ModelOutput.hidden` replaced by the inputs of `layers` (the
+    residual stream before each of them), concatenated in that order: the low/middle/high features an
+    EAGLE-3 head reads. Logits are unchanged."""
+    L = model.config.num_layers
+    layers = tuple(int(i) for i in layers)
+    if not layers or any(not 0 <= i < L for i in layers) or len(set(layers)) != len(layers):
+        raise ModelFormatError(f"feature layers must be distinct layer indices in 0..{L - 1}, got {list(layers)}")
+    if list(layers) != sorted(layers):
+        raise ModelFormatError(f"feature layers must be in increasing order, got {list(layers)}")
+    if model.feature_layers == layers:
+        return model
+    with torch.device("meta"):
+        view = Transformer(model.config, model.dtype)
+    view.tok_embeddings, view.norm, view.output, view.layers = model.tok_embeddings, model.norm, model.output, model.layers
+    view.rope_cos, view.rope_sin = model.rope_cos, model.rope_sin
+    view.feature_layers = layers
+    return view.eval()
 
 
 def truncated(model: Transformer, num_layers: int) -> Transformer:

@@ -61,6 +61,7 @@ def load_models(path: str | None, dtype: str, spec: SpeculativeConfig | None, de
                                                            lambda p: load_model(p, dtype))
         if draft_fp is not None:
             fingerprints["draft"] = draft_fp
+        target = proposer_class(spec.method).target_view(target, draft)
     if device != "cpu":
         target = target.to(device)
         draft = draft.to(device) if draft is not None else None
@@ -81,6 +82,8 @@ def make_proposer(plan: Plan, target: Transformer, draft: Any) -> Any:
 def make_engine(target: Transformer, tokenizer: Any, draft: Any, graphs_for: Any, plan: Plan,
                 max_waiting: int, model_name: str = "specair") -> Engine:
     """The proposer the plan names, its catalogue and graphs (`graphs_for(catalog)`), and the engine."""
+    if plan.speculative is not None:
+        target = proposer_class(plan.speculative.method).target_view(target, draft)
     proposer = make_proposer(plan, target, draft)
     graphs = graphs_for(Catalog(target, plan, proposer))
     return Engine(target, tokenizer, proposer, graphs, max_waiting=max_waiting, model_name=model_name)
@@ -126,7 +129,9 @@ def _log_spec(plan: Plan, backend: str) -> None:
 PREFILL_CHUNK_MIN = 16
 AUTO = "auto"
 AUTO_MAX_CONTEXT = 2048  # the cached build's default context
-AUTO_VARIANTS = ("greedy", "filtered")  # plain sampling rows run exactly on the filtered graphs
+# "plain" (temperature only) has its own graphs: the filtered variant's sort over the vocabulary costs more than
+# the rest of a batched decode step's sampling.
+AUTO_VARIANTS = ("greedy", "plain", "filtered")
 
 
 def auto_backend(model: str | None, quantize: str | None = None) -> tuple[str, str | None]:

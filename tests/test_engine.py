@@ -63,6 +63,8 @@ HEAD_CONFIGS = {
     "eagle topk tree": {"method": "eagle", "num_speculative_tokens": 3, "tree": "topk:2x6"},
     "eagle static tree, disabled above 2 rows": {"method": "eagle", "num_speculative_tokens": 2,
                                                  "tree": "kary:2x2", "disable_by_batch_size": 2},
+    "eagle3 topk tree": {"method": "eagle3", "num_speculative_tokens": 3, "tree": "topk:2x6"},
+    "eagle3 chain": {"method": "eagle3", "num_speculative_tokens": 3},
     "medusa tree": {"method": "medusa", "num_speculative_tokens": 3, "tree": [[0], [1], [0, 0], [1, 0], [0, 0, 0]]},
     "mlp_speculator": {"method": "mlp_speculator", "num_speculative_tokens": 3},
 }
@@ -71,12 +73,13 @@ HEAD_CONFIGS = {
 def random_heads(target, spec):
     """Untrained heads with random weights: they propose junk, which must change nothing but speed."""
     from specair.models.eagle import EagleHead
+    from specair.models.eagle3 import Eagle3Head
     from specair.models.medusa import MedusaHeads
     from specair.models.mlp_speculator import MLPSpeculator
 
     torch.manual_seed(0)
     k = spec["num_speculative_tokens"]
-    heads = {"eagle": lambda: EagleHead(target), "medusa": lambda: MedusaHeads(target, k, 1),
+    heads = {"eagle": lambda: EagleHead(target), "eagle3": lambda: Eagle3Head(target), "medusa": lambda: MedusaHeads(target, k, 1),
              "mlp_speculator": lambda: MLPSpeculator(target, k)}[spec["method"]]()
     with torch.no_grad():
         for p in getattr(heads, "own_parameters", heads.parameters)():  # never the target's shared LM head
@@ -93,7 +96,7 @@ def test_batched_greedy_equals_each_alone(tiny64, alone, name):
         draft = other
     elif spec and spec["method"] == "layer_skip":
         draft = truncated(target, spec["num_layers"])
-    elif spec and spec["method"] in ("eagle", "medusa", "mlp_speculator"):
+    elif spec and spec["method"] in ("eagle", "eagle3", "medusa", "mlp_speculator"):
         draft = random_heads(target, spec)
     engine = engine_from_models(target, None, draft, spec, prefill_chunk=16, batch_buckets=(1, 2, 4))
     results = run(engine)

@@ -24,6 +24,7 @@ from specair.graphs.heads import medusa_tree, mlp_speculator_chain
 from specair.graphs.tree import MC_SIM_7B_63, from_choices, get_template
 from specair.models.checkpoint import load_checkpoint
 from specair.models.eagle import EagleHead, load_eagle, save_eagle
+from specair.models.eagle3 import Eagle3Head, load_eagle3, save_eagle3
 from specair.models.errors import ModelFormatError
 from specair.models.llama import build_model
 from specair.models.medusa import MedusaHeads, load_medusa, save_medusa
@@ -290,6 +291,184 @@ def test_eagle_topk_tree_equals_brute_force(target64):
                 j = int(parents[b, j])
             got.add(tuple(reversed(path)))
         assert got == want
+
+
+# ---- EAGLE-3 ----
+
+E3_VOCAB = torch.arange(0, V, 3)  # every third target token: d2t offsets 0, 2, 4, ...
+
+
+def eagle3_state(prefix="midlayer.", seed=0, inter=96, nf=2, fc_bias=False, embed=False):
+    """An EAGLE-3 state dict in SafeAILab (midlayer.*) or speculators (layers.0.*) key names."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
+    p, Vd = prefix, E3_VOCAB.numel()
+    sd = {"fc.weight": r(H, nf * H), p + "input_layernorm.weight": 1 + r(H), p + "hidden_norm.weight": 1 + r(H),
+          p + "post_attention_layernorm.weight": 1 + r(H),
+          p + "self_attn.q_proj.weight": r(HEADS * D, 2 * H), p + "self_attn.k_proj.weight": r(KV_HEADS * D, 2 * H),
+          p + "self_attn.v_proj.weight": r(KV_HEADS * D, 2 * H), p + "self_attn.o_proj.weight": r(H, HEADS * D),
+          p + "mlp.gate_proj.weight": r(inter, H), p + "mlp.up_proj.weight": r(inter, H),
+          p + "mlp.down_proj.weight": r(H, inter), "norm.weight": 1 + r(H), "lm_head.weight": r(Vd, H),
+          "d2t": E3_VOCAB - torch.arange(Vd), "t2d": torch.zeros(V, dtype=torch.bool).index_fill(0, E3_VOCAB, True)}
+    if fc_bias:
+        sd["fc.bias"] = r(H)
+    if embed:
+        sd["embed_tokens.weight"] = r(V, H)
+    return sd
+
+
+def eagle3_reference(sd, prefix, cfg, tokens, feats, emb_weight, norm_before_residual):
+    """The EAGLE-3 layer from transformers' Llama modules (q/k/v widened to 2H), as cnets.py / speculators
+    compute it: fc, the two input norms, attention over cat(embedding, feature), MLP, norm, lm_head."""
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+
+    hf_cfg = transformers.LlamaConfig(**cfg)
+    hf_cfg._attn_implementation = "eager"
+    get = lambda k: sd[prefix + k]  # noqa: E731
+    attn = LlamaAttention(hf_cfg, layer_idx=0)
+    for n in "qkv":
+        setattr(attn, f"{n}_proj", torch.nn.Linear(2 * H, get(f"self_attn.{n}_proj.weight").shape[0], bias=False))
+    attn.load_state_dict({k.removeprefix("self_attn."): sd[prefix + k] for k in
+                          [f"self_attn.{n}_proj.weight" for n in "qkvo"]})
+    mlp = LlamaMLP(hf_cfg)
+    mlp.load_state_dict({k.removeprefix("mlp."): sd[prefix + k] for k in
+                         [f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]})
+    norms = {}
+    for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        norms[n] = LlamaRMSNorm(H, eps=hf_cfg.rms_norm_eps)
+        norms[n].weight.data.copy_(get(n + ".weight"))
+    final = LlamaRMSNorm(H, eps=hf_cfg.rms_norm_eps)
+    final.weight.data.copy_(sd["norm.weight"])
+    B, T = tokens.shape
+    pos = torch.arange(T).expand(B, T)
+    h = F.linear(feats, sd["fc.weight"], sd.get("fc.bias"))
+    emb = F.embedding(tokens, emb_weight)
+    if norm_before_residual:
+        h = norms["hidden_norm"](h)
+        residual = h
+    else:
+        residual, h = h, norms["hidden_norm"](h)
+    x = torch.cat([norms["input_layernorm"](emb), h], dim=-1)
+    causal = torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None].expand(B, 1, T, T)
+    a = attn(x, position_embeddings=LlamaRotaryEmbedding(hf_cfg)(x, pos), attention_mask=causal)[0]
+    x = residual + a
+    out = x + mlp(norms["post_attention_layernorm"](x))
+    return out, final(out) @ sd["lm_head.weight"].t()
+
+
+@pytest.mark.parametrize("layout", ["safeailab", "speculators"])
+def test_eagle3_loads_published_layouts_and_matches_transformers_modules(tmp_path, ckpt, target, layout):
+    speculators = layout == "speculators"
+    prefix = "layers.0." if speculators else "midlayer."
+    sd = eagle3_state(prefix, fc_bias=speculators, embed=speculators)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    layer = {**ckpt.config.to_hf(), "num_hidden_layers": 1, "intermediate_size": 96}
+    layer.pop("rope_parameters")  # SafeAILab's configs leave RoPE at transformers' defaults
+    if speculators:
+        cfg = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+               "transformer_layer_config": layer, "draft_vocab_size": int(E3_VOCAB.numel()),
+               "norm_before_residual": True, "eagle_aux_hidden_state_layer_ids": [0, 1],
+               "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "tiny"}}}
+    else:
+        cfg = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": int(E3_VOCAB.numel())}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    head = load_eagle3(tmp_path, target)
+    assert head.feature_layers == (0, 1) and head.norm_before_residual is speculators
+    assert (head.tok_embeddings is target.tok_embeddings) is not speculators
+    B, T = 2, 7
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    feats = torch.randn(B, T, 2 * H, generator=g)
+    emb = sd["embed_tokens.weight"] if speculators else target.tok_embeddings.weight
+    with torch.no_grad():
+        ref_hidden, ref_small = eagle3_reference(sd, prefix, layer, tokens, feats, emb, speculators)
+        k, v = head.empty_cache(B, 16)
+        got = head(tokens, torch.arange(T).expand(B, T), torch.zeros(B, dtype=torch.long), k, v, input_hidden=feats)
+        # A drafted node reads the head's own output (width H), which skips fc.
+        own = head(tokens[:, :1], torch.zeros(B, 1, dtype=torch.long), torch.zeros(B, dtype=torch.long), k, v,
+                   input_hidden=got.hidden[:, :1])
+    assert torch.allclose(got.hidden, ref_hidden, atol=1e-5)
+    assert torch.allclose(got.logits[..., E3_VOCAB], ref_small, atol=1e-5)  # draft index i is target token 3i
+    outside = torch.ones(V, dtype=torch.bool).index_fill(0, E3_VOCAB, False)
+    assert (got.logits[..., outside] == torch.finfo(torch.float32).min).all()
+    assert own.hidden.shape == (B, 1, H)
+
+
+def test_eagle3_save_load_round_trip(tmp_path, target):
+    head = randomise(Eagle3Head(target, draft_vocab=E3_VOCAB))
+    save_eagle3(head, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == E3_VOCAB.numel() and cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1]
+    loaded = load_eagle3(tmp_path, target)
+    for (n, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+
+
+def test_eagle3_loader_refuses_bad_checkpoints(tmp_path, ckpt, target):
+    layer = {**ckpt.config.to_hf(), "num_hidden_layers": 1, "intermediate_size": 96, "draft_vocab_size": 86}
+
+    def write(name, sd, cfg=layer):
+        d = tmp_path / name
+        d.mkdir()
+        save_file(sd, str(d / "model.safetensors"))
+        if cfg is not None:
+            (d / "config.json").write_text(json.dumps(cfg))
+        return d
+
+    cases = {
+        "disagree": ({**eagle3_state(), "t2d": torch.ones(V, dtype=torch.bool)}, layer, "t2d and d2t disagree"),
+        "other target": (eagle3_state(nf=3), layer, "fc.weight has shape"),
+        "eagle1": (safeailab_state(), layer, "EAGLE-1/2 head"),
+        "no config": (eagle3_state(), None, "no config.json"),
+        "layers": (eagle3_state(), {**layer, "eagle_aux_hidden_state_layer_ids": [0, 5]}, "do not exist"),
+        "vocab": ({**eagle3_state(), "d2t": torch.full((86,), V)}, layer, "draft_vocab ids must be in"),
+    }
+    for name, (sd, cfg, msg) in cases.items():
+        with pytest.raises(ModelFormatError, match=msg):
+            load_eagle3(write(name, sd, cfg), target)
+    with pytest.raises(ModelFormatError, match="EAGLE-3 checkpoint"):
+        load_eagle(write("e3", eagle3_state()), target)
+
+
+def test_eagle3_draft_loops_equal_brute_force(target64):
+    """The draft loops with an EAGLE-3 head: catch-up entries read target features through fc, drafted nodes
+    their parent's output; brute force feeds fc's output for the first and the outputs for the rest."""
+    head = randomise(Eagle3Head(target64))
+    with torch.no_grad():
+        for p in [*head.norm.parameters(), *head.lm_head.parameters()]:
+            p.normal_(0, 0.3)
+    g = torch.Generator().manual_seed(5)
+    F3 = 2 * H
+    draft_len, n_catch = torch.tensor([5, 11]), torch.tensor([2, 4])
+    hist_tok, hist_feat = torch.randint(0, V, (B, 16), generator=g), torch.randn(B, 16, F3, generator=g).double()
+    catch_tok, catch_feat = torch.randint(0, V, (B, W), generator=g), torch.randn(B, W, F3, generator=g).double()
+    k, v = head.empty_cache(B, SLOTS)
+    rows = []
+    with torch.no_grad():
+        for b in range(B):
+            n, c = int(draft_len[b]), int(n_catch[b])
+            out = head(hist_tok[b:b + 1, :n], torch.arange(n)[None], torch.zeros(1, dtype=torch.long),
+                       *head.empty_cache(1, 1), input_hidden=hist_feat[b:b + 1, :n])
+            k[:, b, :, :n], v[:, b, :, :n] = out.new_k[:, 0], out.new_v[:, 0]
+            fused = head.fc(torch.cat([hist_feat[b, :n], catch_feat[b, :c]]))
+            rows.append((torch.cat([hist_tok[b, :n], catch_tok[b, :c]]), fused))
+    args = (catch_tok, n_catch, draft_len, k, v)
+    tokens, _, _, _ = draft_chain(head, *args, 4, torch.zeros(B), torch.zeros(B, dtype=torch.long), torch.ones(B),
+                                  torch.rand(B, 4), ctx=CTX, catch_hidden=catch_feat)
+    tree, parents, _, _ = draft_topk_tree(head, *args, 3, 2, 5, CTX, catch_hidden=catch_feat)
+    for b in range(B):
+        ref = BruteForce(head, *rows[b])
+        path = []
+        for _ in range(4):
+            path.append(int(ref(path)[0].argmax()))
+        assert tokens[b, 1:].tolist() == path
+        for i in range(1, 6):  # every kept node is its parent's top-1 or top-2 under brute force
+            chain, j = [], i
+            while j > 0:
+                chain.append(int(tree[b, j]))
+                j = int(parents[b, j])
+            chain.reverse()
+            assert chain[-1] in ref(chain[:-1])[0].topk(2).indices.tolist()
 
 
 # ---- Medusa ----

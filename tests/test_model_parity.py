@@ -52,3 +52,22 @@ def test_sliding_window_is_applied(tmp_path):
         outs.append(m(ids, torch.arange(32)[None], torch.zeros(1, dtype=torch.long), k, v).logits)
     assert (outs[0][:, :8] - outs[1][:, :8]).abs().max() < 1e-5
     assert (outs[0][:, 8:] - outs[1][:, 8:]).abs().max() > 1e-3
+
+
+def test_feature_view_equals_transformers_hidden_states(tmp_path):
+    """with_features: each listed layer's input is transformers' hidden_states[layer] (EAGLE-3's features)."""
+    from specair.models.llama import with_features
+
+    save_tiny("llama", tmp_path, num_hidden_layers=4)
+    hf = __import__("transformers").LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    model = load(tmp_path)
+    view = with_features(model, (0, 2, 3))
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+        out = view(ids, torch.arange(20).expand(2, -1), torch.zeros(2, dtype=torch.long), *view.empty_cache(2, 1))
+    assert out.hidden.shape == (2, 20, 3 * 64) and view.feature_size == 3 * 64
+    want = torch.cat([ref.hidden_states[i] for i in (0, 2, 3)], dim=-1)
+    assert (out.hidden - want).abs().max().item() <= 1e-4
+    assert (out.logits - ref.logits).abs().max().item() <= 1e-4  # logits unchanged
+    assert view.layers is model.layers and with_features(view, (0, 2, 3)) is view

@@ -21,6 +21,7 @@ PROPOSERS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3},
     "medusa": {"method": "medusa", "num_speculative_tokens": 2, "tree": [[0], [1], [0, 0], [0, 1]]},
     "eagle": {"method": "eagle", "num_speculative_tokens": 3, "tree": "topk:2x5"},
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 2, "tree": "kary:2x2"},
     "mlp_speculator": {"method": "mlp_speculator", "num_speculative_tokens": 3},
 }
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8], list(range(30, 60, 3))]

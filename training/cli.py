@@ -49,7 +49,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     from specair.training import draft, eagle, medusa
 
     train = subparsers.add_parser("train", help="train an EAGLE head, Medusa heads or a draft model for a target")
-    recipes = train.add_subparsers(dest="recipe", required=True, metavar="{eagle,medusa,draft}")
+    recipes = train.add_subparsers(dest="recipe", required=True, metavar="{eagle,medusa,draft,prompts}")
     helps = {"eagle": "EAGLE-1/2 head (fc + one decoder layer) with training-time test",
              "medusa": "Medusa-1 heads (ResBlocks, tied to the target's LM head)",
              "draft": "a draft model: the target's first N layers fine-tuned by KL to the target"}
@@ -58,6 +58,45 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         _common(p, name)
         module.add_arguments(p)
         p.set_defaults(func=cmd_train, recipe=name)
+    _prompts_parser(recipes)
+
+
+def _prompts_parser(recipes: argparse._SubParsersAction) -> None:
+    from specair.training.magpie import MagpieSettings
+
+    d = MagpieSettings()
+    h = "self-generated user prompts (Magpie): the target writes user turns from its chat template"
+    p = recipes.add_parser("prompts", help=h, description=h)
+    p.add_argument("--target", help="target checkpoint (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--count", type=int, default=d.count, help="prompts to keep")
+    p.add_argument("--seed", type=int, default=d.seed, help="fixes the set: topics, task kinds and samples")
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="longest user turn (longer ones are dropped)")
+    p.add_argument("--out", help="directory of the set (default: $SPECAIR_CACHE/train/<target>/magpie-s<seed>)")
+    p.add_argument("--gen-batch", type=int, default=32, help="sequences the engine decodes at once")
+    p.add_argument("--threads", type=int, help="CPU threads")
+    p.set_defaults(func=cmd_prompts)
+
+
+def cmd_prompts(args: argparse.Namespace) -> None:
+    """Generate (or resume) a Magpie prompt set and print where it is and how fast it was made."""
+    import json
+
+    from specair.models.checkpoint import load_checkpoint
+    from specair.training import magpie
+
+    if args.count <= 0 or args.gen_batch <= 0 or args.max_tokens <= 0:
+        raise InputError("--count, --gen-batch and --max-tokens must be positive")
+    settings = magpie.MagpieSettings(count=args.count, seed=args.seed, temperature=args.temperature,
+                                     top_p=args.top_p, max_tokens=args.max_tokens)
+    fingerprint = load_checkpoint(args.target).fingerprint
+    out = Path(args.out) if args.out else magpie.default_dir(fingerprint, args.seed)
+    llm = magpie.open_llm(args.target, args.gen_batch, args.threads)
+    records = magpie.generate_prompts(llm, out, settings, fingerprint, batch=8 * args.gen_batch)
+    rep = magpie.report(out)
+    print(f"prompts: {len(records)} in {out / 'prompts.jsonl'} | " + json.dumps(
+        {k: rep[k] for k in ("tried", "kept", "rejected", "prompts_per_s", "generated_tokens_per_s")}), flush=True)
 
 
 def cmd_train(args: argparse.Namespace) -> None:

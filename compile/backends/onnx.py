@@ -487,7 +487,10 @@ def _externalize(model, tensors: dict[str, Tensor], store: _WeightStore) -> None
         value = next((a.t for a in node.attribute if a.name == "value"), None) if node.op_type == "Constant" else None
         if value is not None and not node.domain and len(value.raw_data) >= _LIFT_BYTES:
             arr = numpy_helper.to_array(value)
-            name = "const." + hashlib.sha256(memoryview(arr).cast("B")).hexdigest()[:20]
+            # Named by content, shape and dtype: equal bytes in another shape (zeros, say) are another constant.
+            h = hashlib.sha256(f"{arr.dtype}{arr.shape}".encode())
+            h.update(memoryview(arr).cast("B"))
+            name = "const." + h.hexdigest()[:20]
             entry = store.add(name, array=arr)
             g.initializer.append(_external_tensor(node.output[0], entry))
         else:

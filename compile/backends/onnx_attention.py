@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from specair.models.llama import AttentionInputs, rope_attend
+from specair.models.llama import static_shape as _static_shape
 
 DOMAIN = "specair"
 FUSED = "FusedAttention"
@@ -67,14 +68,6 @@ def _tree_bias(cache_len: Tensor, tree_mask: Tensor, T: int, slots: int, dtype: 
     return torch.zeros(B, 1, T, slots, dtype=dtype, device=cache_len.device).scatter(3, cols, hidden)
 
 
-def _static_shape(t: Tensor) -> tuple[int, ...]:
-    """t's shape as Python ints, unrecorded: every graph's shapes are static, so a trace may bake them in."""
-    state = torch._C._get_tracing_state()
-    torch._C._set_tracing_state(None)
-    try:
-        return tuple(int(d) for d in t.shape)
-    finally:
-        torch._C._set_tracing_state(state)
 
 
 def fused_kernel(slots: int):
@@ -88,7 +81,9 @@ def fused_kernel(slots: int):
         D = HD // H
         tree = inputs.tree_mask
         if (k_prev is not None or inputs.sliding_window is not None or q.dtype != torch.float32
-                or not (B == 1 or T == 1) or (tree is not None and _static_shape(tree)[-1] != T)):
+                or not (B == 1 or T == 1) or (tree is not None and _static_shape(tree)[-1] != T)
+                # GroupQueryAttention refuses RoPE tables shorter than the cache plus the new tokens.
+                or _static_shape(inputs.rope[0])[0] < slots + T):
             return rope_attend(q, k, v, cos, sin, k_past, v_past, mask, k_prev, v_prev, scale, heads)
         seqlens = (inputs.cache_len + (T - 1)).to(torch.int32)
         bias = None if tree is None or T == 1 else _tree_bias(inputs.cache_len, tree, T, slots, q.dtype)

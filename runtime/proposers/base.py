@@ -137,6 +137,12 @@ class Proposer:
         (model, tokenizer, fingerprint)."""
         return None, None
 
+    @classmethod
+    def target_view(cls, target: Any, draft: Any) -> Any:
+        """The target as this proposer's plan runs it (default: itself); a proposer that reads other target
+        features than the final hidden state returns a view that outputs them (sharing the weights)."""
+        return target
+
     # ---- graphs (the catalogue) ---------------------------------------------------------------------
 
     def graph_keys(self, plan: Plan) -> list[GraphKey]:
@@ -264,6 +270,6 @@ class LastHiddenHead(HeadProposer):
 
     def hidden(self, step: Step) -> Tensor:
         """[B, H]: each row's last hidden state, zeros for padding rows."""
-        h = torch.zeros(step.B, self.target.config.hidden_size, dtype=self.target.dtype, device=self.device)
+        h = torch.zeros(step.B, self.target.feature_size, dtype=self.target.dtype, device=self.device)
         h[:len(step.rows)] = torch.stack([s.draft for s in step.rows])
         return h

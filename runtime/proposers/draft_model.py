@@ -144,7 +144,7 @@ class CachedDraft(Proposer):
             start = torch.tensor(lengths, device=self.device)
             extra = {}
             if self.reads_hidden:
-                h = torch.zeros(B, chunk, self.target.config.hidden_size, dtype=self.target.dtype, device=self.device)
+                h = torch.zeros(B, chunk, self.target.feature_size, dtype=self.target.dtype, device=self.device)
                 for i, s in enumerate(rows):
                     h[i, :n[i]] = s.draft.hidden[:n[i]]
                 extra["input_hidden"] = h
@@ -173,7 +173,7 @@ class CachedDraft(Proposer):
         if self.tree.kind == "chain":
             inputs.update(step.sampling, uniforms=step.uniforms(D))
         if self.reads_hidden:
-            h = torch.zeros(B, D + 1, self.target.config.hidden_size, dtype=self.target.dtype, device=self.device)
+            h = torch.zeros(B, D + 1, self.target.feature_size, dtype=self.target.dtype, device=self.device)
             for i, s in enumerate(rows):
                 h[i, :len(s.draft.hidden)] = s.draft.hidden
             inputs["catch_hidden"] = h

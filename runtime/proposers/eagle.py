@@ -1,4 +1,5 @@
-"""EAGLE (and EAGLE-2 dynamic trees): a one-layer head that drafts from the target's hidden states.
+"""EAGLE (and EAGLE-2 dynamic trees) and EAGLE-3: a one-layer head that drafts from the target's hidden
+states (EAGLE-3: from three of its layers' features, which its plan's target graphs output instead).
 
 Entry p of the head's cache pairs token p+1 with the target's hidden state at p, so it runs one entry
 behind the target; the pending entries' hidden states come from the verify graph's accepted path (or
@@ -27,3 +28,21 @@ class Eagle(CachedDraft, HeadProposer):
         from specair.models.eagle import load_eagle
 
         return load_eagle(path, target)
+
+
+@register
+class Eagle3(Eagle):
+    method = "eagle3"
+    shipped = "eagle3"
+
+    @staticmethod
+    def loader(path: Path, target: Any) -> Any:
+        from specair.models.eagle3 import load_eagle3
+
+        return load_eagle3(path, target)
+
+    @classmethod
+    def target_view(cls, target: Any, draft: Any) -> Any:
+        from specair.models.llama import with_features
+
+        return with_features(target, draft.feature_layers)
