@@ -42,6 +42,7 @@ class SpeculativeConfig:
     posterior_alpha: float = 0.3
     scorer: str = "tree"
     disable_by_batch_size: int | None = None  # plain decode steps while more sequences than this are running
+    adaptive: bool = False  # greedy steps: speculate or decode plainly, whichever recently emitted more tokens/s
     prompt_lookup_min: int | None = None  # prompt lookup: shortest suffix to match
     prompt_lookup_max: int | None = None  # prompt lookup: longest suffix to match
 
@@ -66,6 +67,8 @@ class SpeculativeConfig:
         for key in ("disable_by_batch_size", "prompt_lookup_min", "prompt_lookup_max"):
             if spec.get(key) is not None and not (isinstance(spec[key], int) and spec[key] >= 1):
                 raise InputError(f"'{key}' must be a positive integer, got {spec[key]!r}")
+        if not isinstance(spec.get("adaptive", False), bool):
+            raise InputError(f"'adaptive' must be true or false, got {spec['adaptive']!r}")
         for key in ("posterior_threshold", "posterior_alpha"):
             if key in spec and not (isinstance(spec[key], (int, float)) and spec[key] > 0):
                 raise InputError(f"'{key}' must be a positive number")

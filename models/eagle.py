@@ -103,6 +103,11 @@ class EagleHead(nn.Module):
         the dtype's finfo.min), or with reduced=True [..., Vd] over the draft vocabulary (for training)."""
         return lm_logits(hidden, self._full_lm_weight(), self.draft_vocab, self.draft_lm_weight, reduced)
 
+    def layer_inputs(self, tokens: Tensor, input_hidden: Tensor) -> tuple[Tensor]:
+        """What the decoder layer takes before its RoPE tables: fc(cat(embedding, hidden))."""
+        emb = self.tok_embeddings(tokens).to(input_hidden.dtype)
+        return (self.fc(torch.cat([emb, input_hidden], dim=-1)),)
+
     def forward(
         self,
         tokens: Tensor,
@@ -121,8 +126,7 @@ class EagleHead(nn.Module):
         input_hidden [B, T, H], the target hidden state paired with each token. The output's `hidden` is the
         layer output (the feature a child node takes as its input_hidden; not normed); logits [B, n, V]."""
         C = k_cache.shape[3]
-        emb = self.tok_embeddings(tokens).to(input_hidden.dtype)
-        x = self.fc(torch.cat([emb, input_hidden], dim=-1))
+        (x,) = self.layer_inputs(tokens, input_hidden)
         cos = self.rope_cos[positions].unsqueeze(2)
         sin = self.rope_sin[positions].unsqueeze(2)
         # The target's mask builder reads only `config` (sliding window), which the head shares.

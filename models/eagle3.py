@@ -131,16 +131,21 @@ class Eagle3Head(nn.Module):
             return small
         return scatter_vocab(small, self.draft_vocab, self.config.vocab_size)
 
+    def layer_inputs(self, tokens: Tensor, input_hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """What the decoder layer takes before its RoPE tables: the embedding and the feature (target features
+        fused by fc; the head's own outputs as they are)."""
+        h = input_hidden.to(self.dtype)
+        if static_shape(h)[-1] != self.config.hidden_size:
+            h = self.fc(h)
+        return self.tok_embeddings(tokens).to(h.dtype), h
+
     def forward(self, tokens: Tensor, positions: Tensor, cache_len: Tensor, k_cache: Tensor, v_cache: Tensor,
                 tree_mask: Tensor | None = None, logits_index: Tensor | None = None, prev_k: Tensor | None = None,
                 prev_v: Tensor | None = None, *, input_hidden: Tensor) -> ModelOutput:
         """`EagleHead.forward`'s contract. input_hidden [B, T, 3Ht] (target features, fused by fc) or
         [B, T, H] (the head's own outputs). The output's `hidden` is the layer output (pre-norm)."""
         C = k_cache.shape[3]
-        h = input_hidden.to(self.dtype)
-        if static_shape(h)[-1] != self.config.hidden_size:
-            h = self.fc(h)
-        emb = self.tok_embeddings(tokens).to(h.dtype)
+        emb, h = self.layer_inputs(tokens, input_hidden)
         cos = self.rope_cos[positions].unsqueeze(2)
         sin = self.rope_sin[positions].unsqueeze(2)
         mask = Transformer._mask(self, positions, cache_len, C, tree_mask, h.dtype)  # type: ignore[arg-type]

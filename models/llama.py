@@ -223,6 +223,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.feature_layers: tuple[int, ...] = ()
+        self.feature_final = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -230,8 +231,8 @@ class Transformer(nn.Module):
 
     @property
     def feature_size(self) -> int:
-        """The width of `ModelOutput.hidden`: H, or H per feature layer of a feature view."""
-        return self.config.hidden_size * max(1, len(self.feature_layers))
+        """The width of `ModelOutput.hidden`: H, or H per feature layer (and the final state) of a feature view."""
+        return self.config.hidden_size * max(1, len(self.feature_layers) + self.feature_final)
 
     def lm_head(self, hidden: Tensor) -> Tensor:
         w = self.tok_embeddings.weight if self.output is None else self.output.weight
@@ -280,7 +281,7 @@ class Transformer(nn.Module):
         if logits_index is not None:
             picked = hidden.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         if self.feature_layers:
-            hidden = torch.cat(features, dim=-1)
+            hidden = torch.cat(features + [hidden] * self.feature_final, dim=-1)
         return ModelOutput(self.lm_head(picked), hidden, torch.stack(new_k), torch.stack(new_v))
 
     def _mask(self, positions: Tensor, cache_len: Tensor, C: int, tree_mask: Tensor | None,
@@ -350,23 +351,24 @@ def build_model(config: ModelConfig, state_dict: dict[str, Tensor],
 
 
 
-def with_features(model: Transformer, layers: tuple[int, ...]) -> Transformer:
+def with_features(model: Transformer, layers: tuple[int, ...], final: bool = False) -> Transformer:
     """The model, sharing its weights, with `ModelOutput.hidden` replaced by the inputs of `layers` (the
     residual stream before each of them), concatenated in that order: the low/middle/high features an
-    EAGLE-3 head reads. Logits are unchanged."""
+    EAGLE-3 head reads; with `final`, the usual normed hidden state follows them (what distillation records
+    for every kind of head). Logits are unchanged."""
     L = model.config.num_layers
     layers = tuple(int(i) for i in layers)
     if not layers or any(not 0 <= i < L for i in layers) or len(set(layers)) != len(layers):
         raise ModelFormatError(f"feature layers must be distinct layer indices in 0..{L - 1}, got {list(layers)}")
     if list(layers) != sorted(layers):
         raise ModelFormatError(f"feature layers must be in increasing order, got {list(layers)}")
-    if model.feature_layers == layers:
+    if model.feature_layers == layers and model.feature_final == final:
         return model
     with torch.device("meta"):
         view = Transformer(model.config, model.dtype)
     view.tok_embeddings, view.norm, view.output, view.layers = model.tok_embeddings, model.norm, model.output, model.layers
     view.rope_cos, view.rope_sin = model.rope_cos, model.rope_sin
-    view.feature_layers = layers
+    view.feature_layers, view.feature_final = layers, final
     return view.eval()
 
 

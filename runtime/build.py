@@ -21,7 +21,7 @@ from specair.compile.plan import VARIANTS, Plan
 from specair.compile.spec_config import SpeculativeConfig
 from specair.models.checkpoint import load_checkpoint
 from specair.models.errors import InputError
-from specair.models.llama import Transformer, build_model
+from specair.models.llama import Transformer, build_model, with_features
 from specair.runtime.engine import Engine
 from specair.runtime.proposers import parse_config, proposer_class
 
@@ -50,11 +50,17 @@ def load_model(path: str | None, dtype: str) -> tuple[Transformer, Any, str]:
     return model, ckpt.tokenizer, ckpt.fingerprint
 
 
-def load_models(path: str | None, dtype: str, spec: SpeculativeConfig | None, device: str = "cpu") -> Models:
+def load_models(path: str | None, dtype: str, spec: SpeculativeConfig | None, device: str = "cpu",
+                features: tuple[int, ...] | None = None) -> Models:
     """The target, its tokenizer and the model of the proposer the speculative config names (the proposer
-    loads it: a draft checkpoint, the target's first layers, heads), all moved to `device`."""
+    loads it: a draft checkpoint, the target's first layers, heads), all moved to `device`. `features`:
+    the target's hidden output is the inputs of these layers and its final state (`with_features`), for
+    distillation."""
     target, tokenizer, fp = load_model(path, dtype)
     fingerprints: dict[str, Any] = {"target": fp, "tokenizer": tokenizer_fingerprint(tokenizer), "dtype": dtype}
+    if features is not None:
+        target = with_features(target, tuple(features), final=True)
+        fingerprints["features"] = list(target.feature_layers)
     draft = None
     if spec is not None:
         draft, draft_fp = proposer_class(spec.method).load(spec, target, tokenizer, path,
@@ -175,11 +181,13 @@ def cached_artifacts(models: Models, plan: Plan, backend: Any, *, progress: bool
 def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | dict | None = None,
                 backend: str | None = None, artifacts: str | None = None, max_context: int | None = None,
                 threads: int | None = None, batch_buckets: tuple[int, ...] = (1,), max_waiting: int = 64,
-                model_name: str | None = None, quantize: str | None = None, device: str | None = None) -> Engine:
+                model_name: str | None = None, quantize: str | None = None, device: str | None = None,
+                features: tuple[int, ...] | None = None) -> Engine:
     """An engine from an artifact directory (compiling nothing), or with graphs built on first use by
     `backend` (eager by default) for the given batch buckets. `quantize` (onnx only: "int4", "int8") is
     weight-only quantization; with artifacts, None means whatever they were compiled with. Models and
-    every graph input live on `device` (default: the backend's).
+    every graph input live on `device` (default: the backend's). `features`: the target's graphs output the
+    inputs of these layers and the final hidden state (see `load_models`), which distillation records.
 
     `backend="auto"` (the CLI's default for generate and chat) is the fastest configuration here
     (`auto_backend`), built ahead of time into specair's cache on first use and loaded afterwards
@@ -190,7 +198,7 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
         backend, quantize = auto_backend(model, quantize)
         if backend != "eager":
             be = get_backend(backend, threads, quantize=quantize)
-            models = load_models(model, dtype, spec, _device(be, device))
+            models = load_models(model, dtype, spec, _device(be, device), features)
             plan = _plan(models.target, spec, max_context or AUTO_MAX_CONTEXT, dtype, backend=be, draft=models.draft,
                          batch_buckets=batch_buckets, variants=AUTO_VARIANTS)
             art, manifest = cached_artifacts(models, plan, be)
@@ -198,7 +206,7 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
                                     max_waiting, name)
     if artifacts is None:
         be = get_backend(backend or "eager", threads, quantize=quantize)
-        models = load_models(model, dtype, spec, _device(be, device))
+        models = load_models(model, dtype, spec, _device(be, device), features)
         plan = _plan(models.target, spec, max_context, dtype, backend=be, draft=models.draft,
                      batch_buckets=batch_buckets, variants=VARIANTS)
         if be.name != "eager":
@@ -219,7 +227,7 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
     if quantize is None:
         quantize = (manifest.get("quantization") or {}).get("method")
     be = get_backend(manifest["backend"], threads, quantize=quantize)
-    models = load_models(model, plan.dtype, plan.speculative, _device(be, device))
+    models = load_models(model, plan.dtype, plan.speculative, _device(be, device), features)
     return _artifact_engine(models, plan, be, art, manifest, compile_command(model, plan, be.name, art, quantize),
                             max_waiting, name)
 

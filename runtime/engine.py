@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+from torch import Tensor
 
 from specair.compile.artifacts import GraphSet
 from specair.compile.graph_def import GraphKey
 from specair.compile.plan import VARIANTS
 from specair.graphs.sampling import sample
 from specair.models.errors import InputError
+from specair.runtime.adaptive import AdaptiveSpeculation
 from specair.runtime.batch_state import BatchState
 from specair.runtime.kv_slots import KVSlots
 from specair.runtime.output import Output
@@ -52,6 +54,11 @@ class Engine:
             proposer.attach(graphs, self.kv)
         graphs.prepare()
         self.bucket_steps: Counter[int] = Counter()
+        # Called as (request_id, hidden [n, F]) with the target's hidden output at a request's next n
+        # positions, in order, as the graphs produce them (distillation records them; None: nobody asks).
+        self.hidden_observer: Callable[[str, Tensor], None] | None = None
+        spec = self.plan.speculative
+        self.adaptive = AdaptiveSpeculation() if spec is not None and spec.adaptive else None
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -151,6 +158,8 @@ class Engine:
             chunk, device=self.device), scratch=True)
         if self.proposer is not None:
             self.proposer.prefill_chunk(s, tokens, start, n, ctx, out["hidden"])
+        if self.hidden_observer is not None:
+            self.hidden_observer(s.request_id, out["hidden"][0, :n])
         s.prefilled += n
         if s.prefilled < len(s.prompt):
             return []
@@ -173,10 +182,14 @@ class Engine:
         B = self.kv.B
         self.bucket_steps[B] += 1
         variant = self.plan.variant_for(max((s.req.variant for s in self.rows), key=VARIANTS.index))
-        if self.sched.speculates() and self.proposer.can_speculate(self.rows):
-            per_row = self._speculative_step(B, variant)
-        else:
-            per_row = self._plain_step(B, variant)
+        speculate = self.sched.speculates() and self.proposer.can_speculate(self.rows)
+        choose = speculate and self.adaptive is not None and variant == "greedy"
+        if choose:
+            speculate = self.adaptive.choose()
+        t0 = time.perf_counter()
+        per_row = self._speculative_step(B, variant) if speculate else self._plain_step(B, variant)
+        if choose:
+            self.adaptive.record(speculate, sum(len(toks) for toks, _ in per_row), time.perf_counter() - t0)
         events = [self.output.emit(s, toks, draft)[1] for s, (toks, draft) in zip(list(self.rows), per_row)]
         for i in range(len(self.rows) - 1, -1, -1):
             if self.rows[i].finish is not None:
@@ -194,6 +207,9 @@ class Engine:
         nxt = out["next_tokens"].tolist()  # the step's one device→host read
         if self.proposer is not None:
             self.proposer.decoded(self.rows, out["hidden"])
+        if self.hidden_observer is not None:
+            for i, s in enumerate(self.rows):
+                self.hidden_observer(s.request_id, out["hidden"][i:i + 1])
         return [([t], None) for t in nxt[:len(self.rows)]]
 
     def _speculative_step(self, B: int, variant: str) -> list[tuple[list[int], tuple[int, int]]]:
@@ -226,4 +242,7 @@ class Engine:
             self.output.count_draft(s, D, counts[-1])
             per_row.append((toks, (D, counts[-1])))
         self.proposer.accepted(self.rows, counts, out["path_hidden"])
+        if self.hidden_observer is not None:
+            for i, (s, n) in enumerate(zip(self.rows, counts)):
+                self.hidden_observer(s.request_id, out["path_hidden"][i, :n + 1])
         return per_row

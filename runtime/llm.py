@@ -26,10 +26,10 @@ class LLM:
                  backend: str = "eager", artifacts: str | None = None, dtype: str = "fp32",
                  max_context: int | None = None, batch_buckets: tuple[int, ...] = (1, 2, 4, 8),
                  threads: int | None = None, max_waiting: int = 64, quantize: str | None = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, features: tuple[int, ...] | None = None) -> None:
         self.engine: Engine = open_engine(model, dtype, speculative_config, None if artifacts else backend,
                                           artifacts, max_context, threads, tuple(batch_buckets), max_waiting,
-                                          quantize=quantize, device=device)
+                                          quantize=quantize, device=device, features=features)
         self.tokenizer = self.engine.tokenizer
 
     @classmethod

@@ -123,6 +123,32 @@ def test_ngram_speculates_on_repetitive_text(tiny64):
     assert res.extra["spec"]["num_drafts"] > 0
 
 
+def test_adaptive_speculation_is_lossless_and_runs_both_step_kinds(tiny64, alone):
+    """adaptive: greedy steps pick speculative or plain by measured tokens/s; either way the output is the
+    target's, and the first steps try both kinds."""
+    spec = {"method": "draft_model", "model": "-", "num_speculative_tokens": 3, "adaptive": True}
+    engine = engine_from_models(tiny64[0], None, tiny64[1], spec, prefill_chunk=16, batch_buckets=(1, 2, 4))
+    assert [r.token_ids for r in run(engine)] == alone
+    assert engine.adaptive.steps[True] > 0 and engine.adaptive.steps[False] > 0
+    with pytest.raises(InputError, match="adaptive"):
+        engine_from_models(tiny64[0], None, tiny64[1], {**spec, "adaptive": "yes"})
+
+
+def test_adaptive_choice_follows_the_faster_step_and_probes_the_other():
+    from specair.runtime.adaptive import AdaptiveSpeculation
+
+    a = AdaptiveSpeculation(alpha=0.5, probe=4)
+    assert a.choose() is True
+    a.record(True, 6, 0.02)  # 300 tokens/s
+    assert a.choose() is False
+    a.record(False, 2, 0.01)  # 200 tokens/s
+    picks = [a.choose() for _ in range(8)]
+    assert picks == [True, True, True, False, True, True, True, False]  # the slower kind every 4th step
+    for _ in range(6):
+        a.record(True, 2, 0.02)  # acceptance falls: speculation now emits 100 tokens/s
+    assert a.rate[True] < a.rate[False] and a.choose() is False
+
+
 def test_abort_frees_the_slot_and_others_continue(tiny64, alone):
     engine = engine_from_models(tiny64[0], prefill_chunk=16, batch_buckets=(1, 2))
     keep = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=BUDGETS[0], ignore_eos=True))

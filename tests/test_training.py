@@ -21,6 +21,7 @@ from specair.training import prompt_set
 from specair.training.acceptance import AcceptanceCounter, true_token_rank
 from specair.training.data import build_draft_vocab, collate
 from specair.training.distill import select_prompts, target_hidden
+from specair.models.llama import with_features
 from specair.training.draft import DraftRecipe, DraftSettings
 from specair.training.eagle import EagleRecipe, EagleSettings, unroll_features
 from specair.training.medusa import MedusaRecipe, MedusaSettings
@@ -93,10 +94,18 @@ def test_distillation_caches_greedy_answers_and_hidden_states(setup, tiny_dir, t
     for s in data.sequences[:3]:
         assert 0 < s.answer_len <= NEW_TOKENS
         assert s.hidden.dtype == torch.float16 and s.hidden.shape == (s.tokens.numel(), 64)
-        # The answer is the target's greedy continuation: each answer token is the argmax of the target's
-        # logits at the previous position (the cached hidden states give them through the LM head).
+        # Recorded by the engine's graphs as they ran: the final hidden state at every position but the last
+        # (never fed), and EAGLE-3's features (the inputs of the recorded layers) beside it.
         full = target_hidden(setup.target, s.tokens)
-        assert torch.allclose(s.hidden.float(), full, atol=2e-3, rtol=1e-2)
+        assert torch.allclose(s.hidden[:-1].float(), full[:-1], atol=2e-3, rtol=1e-2)
+        assert not s.hidden[-1].any()
+        layers = tuple(data.meta["feature_layers"])
+        view = with_features(setup.target, layers)
+        with torch.no_grad():
+            feats = view(s.tokens[None], torch.arange(s.tokens.numel())[None], torch.zeros(1, dtype=torch.long),
+                         *view.empty_cache(1, 1)).hidden[0]
+        assert s.features.shape == (s.tokens.numel(), 64 * len(layers))
+        assert torch.allclose(s.features[:-1].float(), feats[:-1], atol=2e-3, rtol=1e-2)
         greedy = setup.target.lm_head(full).argmax(-1)
         assert torch.equal(greedy[s.prompt_len - 1:-1], s.tokens[s.prompt_len:])
         assert "<|im_start|>assistant" in tok.decode(s.tokens[:s.prompt_len].tolist(), skip_special_tokens=False)
@@ -184,6 +193,48 @@ def test_eagle_unrolled_features_match_the_drafting_contract(setup):
             out = head(tokens[:, p + 2: p + 3], torch.tensor([[p + 1]]), torch.tensor([p + 1]), k_cache, v_cache,
                        input_hidden=feats[0][:, p: p + 1])
             assert torch.allclose(out.hidden[0, 0], feats[1][0, p], atol=1e-5)
+
+
+def test_eagle3_training_lowers_the_loss_and_exports_through_load_eagle3(setup, tmp_path):
+    from specair.models.eagle3 import load_eagle3
+    from specair.training.eagle3 import Eagle3Recipe, Eagle3Settings, export_eagle3
+
+    torch.manual_seed(0)
+    recipe = Eagle3Recipe(setup, Eagle3Settings(draft_vocab=2048, unroll=3, eval_depth=3))
+    batch = recipe.collate(setup.train[:4])
+    assert batch.features.shape[-1] == 64 * len(setup.data.meta["feature_layers"])
+    first, last = _train_loss(recipe, lambda: recipe.losses(batch, 3, 0.0), 15, 3e-3)
+    assert last < 0.8 * first
+    acc = recipe.evaluate()["acceptance"]
+    assert acc["chain_starts"] > 0 and acc["tau_chain"] <= acc["tree_w8"]["tau"] <= 4.0
+    export_eagle3(recipe.head, tmp_path / "eagle3")
+    loaded = load_eagle3(tmp_path / "eagle3", setup.target)
+    assert loaded.feature_layers == tuple(setup.data.meta["feature_layers"])
+    got = dict(loaded.named_parameters())
+    for name, p in recipe.params.items():  # shipped in float16: the trained weights rounded to float16
+        assert torch.equal(got[name], p.detach().half().float()), name
+    assert torch.equal(loaded.draft_vocab, recipe.vocab)
+
+
+def test_eagle3_unrolled_steps_match_the_drafting_contract(setup):
+    """unroll_features with an EAGLE-3 head: step 1 reads the recorded features through fc, step 2 the
+    step-1 output at position p+1, exactly as Eagle3Head.forward does in the draft loop."""
+    from specair.training.eagle3 import Eagle3Recipe, Eagle3Settings
+
+    torch.manual_seed(1)
+    head = Eagle3Recipe(setup, Eagle3Settings(draft_vocab=0, init="random")).head.eval()
+    s = setup.train[0]
+    tokens, feats_in = s.tokens.unsqueeze(0), s.features.float().unsqueeze(0)
+    with torch.no_grad():
+        feats = unroll_features(head, tokens, feats_in, 2)
+        T = tokens.shape[1]
+        first = head(tokens[:, 1:], torch.arange(T - 1).view(1, -1), torch.zeros(1, dtype=torch.long),
+                     *head.empty_cache(1, 0), input_hidden=feats_in[:, :-1])
+        assert torch.allclose(first.hidden, feats[0], atol=1e-5)
+        p = s.prompt_len
+        out = head(tokens[:, p + 2: p + 3], torch.tensor([[p + 1]]), torch.tensor([p + 1]),
+                   first.new_k[..., : p + 1, :], first.new_v[..., : p + 1, :], input_hidden=feats[0][:, p: p + 1])
+        assert torch.allclose(out.hidden[0, 0], feats[1][0, p], atol=1e-5)
 
 
 def test_medusa_training_lowers_the_loss_and_exports_through_load_medusa(setup, tmp_path):
@@ -277,6 +328,12 @@ def test_acceptance_counter_and_ranks():
     assert r["tau_chain"] == 2.5
     assert r["conditional_acceptance"] == [0.75, round(0.5 / 0.75, 4), 0.5]
     assert r["tree_w2"]["acceptance_by_position"] == [1.0, 1.0, 0.75]
+    # The engine's walk over one sequence: start 0 accepts 3 (+ bonus: next start 4), start 4 accepts 0,
+    # start 5 accepts 1 (next 7), start 7 accepts 2: 4 steps, 4 + 1 + 2 + 3 = 10 tokens.
+    walk = torch.tensor([[0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], [1, 0, 0], [0, 2, 0], [0, 0, 0],
+                         [0, 0, 3]])
+    c.add_walk(walk)
+    assert c.result()["walk"]["tau_chain"] == 2.5
     logits = torch.tensor([[0.1, 0.5, 0.3], [1.0, 0.0, 2.0]])
     assert true_token_rank(logits, torch.tensor([1, 0])).tolist() == [0, 1]
     assert true_token_rank(logits, torch.tensor([-1, 2])).tolist() == [3, 0]

@@ -7,6 +7,12 @@ token was the draft's top-1 (chain) or within its top-w (a full w-ary tree of de
 path exactly when every depth is a top-w hit). Inputs along the true path are the true tokens, which is
 what the draft sees whenever the earlier tokens were accepted, so these counts are exact for chains and
 full trees; a pruned tree (EAGLE-2's top-N rerank, a sparse static template) lands between the two.
+
+Averaging over every position is not what the engine measures: it starts a chain only where the previous
+step ended, which is just after a rejected draft (or its bonus token), and those positions are harder than
+the average one. `walk` replays each held-out answer the engine's way -- start at the answer's first
+position, accept, jump past the accepted tokens and the bonus, repeat -- and its tau is the one the
+engine reports on the same sequences.
 """
 
 from __future__ import annotations
@@ -25,11 +31,26 @@ class AcceptanceCounter:
     depth: int
     widths: tuple[int, ...] = (1, 2, 4, 8)
     ranks: list[Tensor] = field(default_factory=list)
+    walks: dict[int, list[int]] = field(default_factory=dict)  # width -> [steps, tokens]
 
     def add(self, ranks: Tensor) -> None:
         """ranks [N, depth] int: the true token's rank at each depth for N chain starts."""
         if ranks.numel():
             self.ranks.append(ranks.reshape(-1, self.depth).to(torch.int32).cpu())
+
+    def add_walk(self, ranks: Tensor) -> None:
+        """ranks [n, depth]: one sequence's chain starts at consecutive positions, in order; walk them as the
+        engine steps (each step keeps its accepted drafts plus the bonus token)."""
+        for w in self.widths:
+            accepted = (ranks < w).to(torch.int32).cumprod(dim=1).sum(1).tolist()
+            i, steps, tokens = 0, 0, 0
+            while i < len(accepted):
+                steps += 1
+                tokens += accepted[i] + 1
+                i += accepted[i] + 1
+            walk = self.walks.setdefault(w, [0, 0])
+            walk[0] += steps
+            walk[1] += tokens
 
     def result(self) -> dict:
         """acceptance_by_position (P(first d drafts accepted), d = 1..depth), tau_chain (1 + mean accepted,
@@ -50,6 +71,9 @@ class AcceptanceCounter:
                 out["conditional_acceptance"] = [round(c, 4) for c in cond]
             else:
                 out[f"tree_w{w}"] = entry
+        if self.walks:
+            out["walk"] = {("tau_chain" if w == 1 else f"tau_tree_w{w}"): round(t / max(n, 1), 4)
+                           for w, (n, t) in sorted(self.walks.items())}
         return out
 
 

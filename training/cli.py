@@ -9,10 +9,11 @@ from pathlib import Path
 from specair.models.errors import InputError
 from specair.training.trainer import TrainConfig
 
-RECIPES = ("eagle", "medusa", "draft")
+RECIPES = ("eagle", "eagle3", "medusa", "draft")
 # Per-recipe defaults: batch sizes are sequences for eagle/draft and single positions for medusa.
 DEFAULTS = {
     "eagle": {"epochs": 6.0, "lr": 1e-3, "batch_size": 8, "eval_every": 100, "save_every": 50},
+    "eagle3": {"epochs": 2.0, "lr": 1e-3, "batch_size": 8, "eval_every": 500, "save_every": 100, "magpie": 20000},
     "medusa": {"epochs": 3.0, "lr": 5e-3, "batch_size": 512, "eval_every": 200, "save_every": 100},
     "draft": {"epochs": 1.0, "lr": 1e-4, "batch_size": 4, "eval_every": 100, "save_every": 50},
 }
@@ -41,19 +42,25 @@ def _common(p: argparse.ArgumentParser, recipe: str) -> None:
     g.add_argument("--max-prompts", type=int, help="use the first N prompts of the set (default: all)")
     g.add_argument("--max-new-tokens", type=int, default=256, help="longest distilled answer")
     g.add_argument("--cache-dir", help="distillation cache directory")
-    g.add_argument("--gen-batch", type=int, default=16, help="sequences the engine decodes at once while distilling")
+    g.add_argument("--gen-batch", type=int, default=32, help="sequences the engine decodes at once while distilling")
+    g.add_argument("--magpie", type=int, default=DEFAULTS[recipe].get("magpie", 0),
+                   help="add N self-generated prompts (Magpie: the target writes user turns; `specair train "
+                        "prompts`, cached) to the prompt set")
+    g.add_argument("--magpie-seed", type=int, default=0, help="seed of the self-generated prompt set")
 
 
 def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `train {eagle,medusa,draft}` on the `specair` command's subparsers."""
-    from specair.training import draft, eagle, medusa
+    from specair.training import draft, eagle, eagle3, medusa
 
     train = subparsers.add_parser("train", help="train an EAGLE head, Medusa heads or a draft model for a target")
-    recipes = train.add_subparsers(dest="recipe", required=True, metavar="{eagle,medusa,draft,prompts}")
+    recipes = train.add_subparsers(dest="recipe", required=True, metavar="{eagle,eagle3,medusa,draft,prompts}")
     helps = {"eagle": "EAGLE-1/2 head (fc + one decoder layer) with training-time test",
+             "eagle3": "EAGLE-3 head (three target layers fused, own decoder layer and draft-vocabulary LM head), "
+                       "training-time test, self-generated prompts",
              "medusa": "Medusa-1 heads (ResBlocks, tied to the target's LM head)",
              "draft": "a draft model: the target's first N layers fine-tuned by KL to the target"}
-    for name, module in (("eagle", eagle), ("medusa", medusa), ("draft", draft)):
+    for name, module in (("eagle", eagle), ("eagle3", eagle3), ("medusa", medusa), ("draft", draft)):
         p = recipes.add_parser(name, help=helps[name], description=helps[name])
         _common(p, name)
         module.add_arguments(p)
@@ -101,7 +108,7 @@ def cmd_prompts(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     """Run one recipe from parsed arguments."""
-    from specair.training import draft, eagle, medusa
+    from specair.training import draft, eagle, eagle3, medusa
     from specair.training.setup import DataOptions, prepare
     from specair.training.trainer import format_eval
 
@@ -114,12 +121,14 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
                       batch_size=args.batch_size, grad_clip=args.grad_clip, eval_every=args.eval_every,
                       save_every=args.save_every, max_steps=args.max_steps, seed=args.seed)
-    module = {"eagle": eagle, "medusa": medusa, "draft": draft}[args.recipe]
+    module = {"eagle": eagle, "eagle3": eagle3, "medusa": medusa, "draft": draft}[args.recipe]
     settings = module.settings_from_args(args)  # validate recipe options before the (long) distillation
     setup = prepare(DataOptions(target=args.target, cache_dir=args.cache_dir, prompts=args.prompts,
                                 max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
-                                gen_batch=args.gen_batch), threads=args.threads)
-    recipe = {"eagle": eagle.EagleRecipe, "medusa": medusa.MedusaRecipe, "draft": draft.DraftRecipe}[args.recipe]
+                                gen_batch=args.gen_batch, magpie=args.magpie, magpie_seed=args.magpie_seed),
+                    threads=args.threads)
+    recipe = {"eagle": eagle.EagleRecipe, "eagle3": eagle3.Eagle3Recipe, "medusa": medusa.MedusaRecipe,
+              "draft": draft.DraftRecipe}[args.recipe]
     final = recipe(setup, settings).fit(cfg, out, resume=args.resume, keep_checkpoint=args.keep_checkpoint)
     print(f"{args.recipe}: wrote {out} | held-out: {format_eval(final)}", flush=True)
 

@@ -21,6 +21,7 @@ class Batch:
     hidden: Tensor  # [B, T, H] float32 target hidden states (zeros in padding); empty when not loaded
     lengths: Tensor  # [B] real tokens per row
     prompt_lens: Tensor  # [B] prompt tokens per row (answer tokens follow)
+    features: Tensor | None = None  # [B, T, n*H] float32 target layer features (EAGLE-3's input), when asked for
 
     def target_mask(self, first: int = 0) -> Tensor:
         """[B, T] True where index t is a real answer token, t >= first: the tokens a draft is scored on."""
@@ -28,19 +29,22 @@ class Batch:
         return (t >= self.prompt_lens.unsqueeze(1)) & (t < self.lengths.unsqueeze(1)) & (t >= first)
 
 
-def collate(seqs: Sequence[DistilledSequence], with_hidden: bool = True) -> Batch:
-    """Pad sequences into one Batch (hidden states upcast to float32)."""
+def collate(seqs: Sequence[DistilledSequence], with_hidden: bool = True, with_features: bool = False) -> Batch:
+    """Pad sequences into one Batch (hidden states and features upcast to float32)."""
     B, T = len(seqs), max(int(s.tokens.numel()) for s in seqs)
     tokens = torch.zeros(B, T, dtype=torch.long)
     H = seqs[0].hidden.shape[-1] if with_hidden else 0
     hidden = torch.zeros(B, T, H) if with_hidden else torch.zeros(0)
+    features = torch.zeros(B, T, seqs[0].features.shape[-1]) if with_features else None
     for i, s in enumerate(seqs):
         n = s.tokens.numel()
         tokens[i, :n] = s.tokens
         if with_hidden:
             hidden[i, :n] = s.hidden.float()
+        if features is not None:
+            features[i, :n] = s.features.float()
     return Batch(tokens, hidden, torch.tensor([s.tokens.numel() for s in seqs]),
-                 torch.tensor([s.prompt_len for s in seqs]))
+                 torch.tensor([s.prompt_len for s in seqs]), features)
 
 
 def length_grouped_batches(lengths: Sequence[int], batch_size: int, seed: int) -> list[list[int]]:

@@ -1,15 +1,19 @@
-"""Self-distillation: the target answers the prompt set with its own chat template (greedy), and its hidden
-states over each full sequence (prompt + answer) are cached for head training.
+"""Self-distillation: the target answers the prompt set with its own chat template (greedy) through the
+fast batched engine (`--backend auto`), whose graphs also output the target's features at every position --
+the inputs of EAGLE-3's layers and the final hidden state -- which are recorded as they are computed, so no
+second pass over the sequences is needed.
 
 Cache layout (default `$SPECAIR_CACHE/train/<target fingerprint[:16]>`):
 
-    meta.json                   target, fingerprint, max_new_tokens (a cache built with other settings is refused)
+    meta.json                   target, fingerprint, max_new_tokens, feature layers (other settings are refused)
     answers.jsonl               one record per prompt: id, split, category, prompt_ids, answer_ids, finish_reason
-    hidden/shard-NNNNN.safetensors  tensor "h.<id>" [prompt + answer length, H] in float16
+    hidden/shard-NNNNN.safetensors  tensor "h.<id>" [length - 1, F] float16: position p's features, the layer
+                                inputs side by side, then the final hidden state (the last token is never fed)
     hidden/index.json           id -> shard file
+    progress.json               prompts, generated tokens and seconds spent, summed over runs
 
-Both stages resume: answers are appended a chunk of prompts at a time, hidden states are written a shard
-at a time (each file appears atomically), and a rerun skips what is already there.
+It resumes: a shard of finished sequences is written atomically, then its index entries and answers, and
+a rerun skips every prompt that has both.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from collections.abc import Callable
 
@@ -29,25 +34,54 @@ from specair.models.errors import InputError
 from specair.models.llama import Transformer
 from specair.training.prompt_set import load_prompts
 
-CACHE_FORMAT = 1
-SHARD_SEQUENCES = 32  # sequences per hidden-state shard: a crash loses at most this many forwards
+CACHE_FORMAT = 2
+SHARD_SEQUENCES = 64  # sequences per hidden-state shard: a crash loses at most this many answers
+
+
+@lru_cache(maxsize=64)
+def _shard(path: str):  # noqa: ANN202 (safetensors' handle type)
+    from safetensors import safe_open
+
+    return safe_open(path, framework="pt")
 
 
 @dataclass
 class DistilledSequence:
-    """One prompt and the target's greedy answer, with the target's hidden states over both."""
+    """One prompt and the target's greedy answer, with the target's features over both (read from the
+    cache when asked for, so a large set never sits in memory)."""
 
     id: int
     split: str
     category: str
     tokens: Tensor  # [L] int64: prompt then answer
     prompt_len: int
-    hidden: Tensor | None = None  # [L, H] float16 (None until loaded)
+    shard: Path | None = None  # the hidden-state shard holding this sequence
+    hidden_size: int = 0
     finish_reason: str = "stop"
+    block: Tensor | None = None  # [L, F] float16 once read (or set by hand); the last row is zeros
 
     @property
     def answer_len(self) -> int:
         return int(self.tokens.numel()) - self.prompt_len
+
+    def _block(self) -> Tensor:
+        if self.block is not None:
+            return self.block
+        if self.shard is None:
+            raise InputError(f"sequence {self.id}: no hidden states were loaded")
+        rows = _shard(str(self.shard)).get_tensor(f"h.{self.id}")
+        # Position L-1 is never fed to the target; a zero row keeps every position indexable.
+        return torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+
+    @property
+    def hidden(self) -> Tensor:
+        """[L, H] float16: the target's final hidden state at every position (what EAGLE-1 and Medusa read)."""
+        return self._block()[:, -self.hidden_size:]
+
+    @property
+    def features(self) -> Tensor:
+        """[L, n*H] float16: the inputs of the recorded feature layers, side by side (what EAGLE-3 reads)."""
+        return self._block()[:, :-self.hidden_size]
 
 
 @dataclass
@@ -107,7 +141,7 @@ def _check_meta(cache: Path, meta: dict) -> None:
     f = cache / "meta.json"
     if f.is_file():
         old = json.loads(f.read_text(encoding="utf-8"))
-        for key in ("format", "fingerprint", "max_new_tokens"):
+        for key in ("format", "fingerprint", "max_new_tokens", "feature_layers"):
             if old.get(key) != meta.get(key):
                 raise InputError(f"{cache} holds a distilled set with {key}={old.get(key)!r}, this run asks for "
                                  f"{meta.get(key)!r}; pass another --cache-dir or delete that directory")
@@ -131,25 +165,88 @@ def read_answers(cache: Path) -> dict[int, dict]:
     return out
 
 
-def generate_answers(records: list[dict], cache: Path, llm: object, max_new_tokens: int) -> list[dict]:
-    """Let the target answer every record not yet in answers.jsonl, greedily, through `specair.LLM.generate`
-    (continuous batching), and append the answers. Returns the answer records of `records`."""
+def _append_progress(cache: Path, prompts: int, tokens: int, seconds: float) -> None:
+    f = cache / "progress.json"
+    p = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {"prompts": 0, "generated_tokens": 0,
+                                                                        "seconds": 0.0}
+    p = {"prompts": p["prompts"] + prompts, "generated_tokens": p["generated_tokens"] + tokens,
+         "seconds": round(p["seconds"] + seconds, 1)}
+    _atomic_write_text(f, json.dumps(p) + "\n")
+
+
+def read_progress(cache: Path) -> dict:
+    """What distillation has cost so far: prompts, generated tokens, seconds and their rates."""
+    f = Path(cache) / "progress.json"
+    if not f.is_file():
+        return {}
+    p = json.loads(f.read_text(encoding="utf-8"))
+    s = max(p["seconds"], 1e-9)
+    return {**p, "prompts_per_s": round(p["prompts"] / s, 2), "generated_tokens_per_s": round(p["generated_tokens"] / s, 1)}
+
+
+def answer_and_record(records: list[dict], cache: Path, llm: object, max_new_tokens: int) -> None:
+    """Let the target answer every record (greedy) through `llm`'s engine, recording its features at
+    every position as the graphs compute them; writes shards of finished sequences as they complete."""
+    from safetensors.torch import save_file
+
     from specair.runtime.params import SamplingParams
 
-    done = read_answers(cache)
-    todo = [r for r in records if r["id"] not in done]
-    if todo:
-        params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-        ids = [llm.encode_chat(r["messages"]) for r in todo]
-        results = llm.generate(ids, params, use_tqdm=True)
+    engine = llm.engine
+    hdir = cache / "hidden"
+    hdir.mkdir(parents=True, exist_ok=True)
+    index = _read_index(cache)
+    shard_no = 1 + max((int(Path(n).stem.split("-")[1]) for n in set(index.values())), default=-1)
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+    rows: dict[str, list[Tensor]] = {}
+    engine.hidden_observer = lambda rid, h: rows[rid].append(h.to(torch.float16, copy=True))
+    pending: dict[str, tuple[dict, list[int]]] = {}
+    finished: list[tuple[dict, Tensor]] = []
+    queue = list(records)
+    t0, tokens = time.perf_counter(), 0
+    bar = tqdm(total=len(records), desc="distill", unit="prompt", leave=False)
+
+    def flush() -> None:
+        nonlocal shard_no, finished, t0, tokens
+        if not finished:
+            return
+        name = f"shard-{shard_no:05d}.safetensors"
+        tmp = hdir / f".{name}.tmp"
+        save_file({f"h.{a['id']}": h.contiguous() for a, h in finished}, str(tmp))
+        os.replace(tmp, hdir / name)
+        index.update({str(a["id"]): name for a, _ in finished})
+        _atomic_write_text(hdir / "index.json", json.dumps(index) + "\n")
         with open(cache / "answers.jsonl", "a", encoding="utf-8") as f:
-            for rec, prompt_ids, res in zip(todo, ids, results):
-                answer = {"id": rec["id"], "split": rec["split"], "category": rec["category"],
-                          "prompt_ids": prompt_ids, "answer_ids": list(res.token_ids),
-                          "finish_reason": res.finish_reason}
-                f.write(json.dumps(answer) + "\n")
-                done[rec["id"]] = answer
-    return [done[r["id"]] for r in records]
+            f.writelines(json.dumps(a) + "\n" for a, _ in finished)
+        _append_progress(cache, len(finished), tokens, time.perf_counter() - t0)
+        t0, tokens, shard_no, finished = time.perf_counter(), 0, shard_no + 1, []
+
+    try:
+        while queue or engine.has_unfinished():
+            while queue and engine.num_waiting < engine.max_waiting:
+                rec = queue.pop(0)
+                ids = llm.encode_chat(rec["messages"])
+                rid = engine.add_request(ids, params)
+                rows[rid], pending[rid] = [], (rec, ids)
+            for ev in engine.step():
+                if ev.result is None:
+                    continue
+                rec, ids = pending.pop(ev.request_id)
+                answer = list(ev.result.token_ids)
+                h = torch.cat(rows.pop(ev.request_id))[:len(ids) + len(answer) - 1]
+                if h.shape[0] != len(ids) + len(answer) - 1:
+                    raise RuntimeError(f"prompt {rec['id']}: recorded {h.shape[0]} positions for "
+                                       f"{len(ids) + len(answer)} tokens")
+                finished.append(({"id": rec["id"], "split": rec["split"], "category": rec["category"],
+                                  "prompt_ids": ids, "answer_ids": answer,
+                                  "finish_reason": ev.result.finish_reason}, h))
+                tokens += len(answer)
+                bar.update(1)
+                if len(finished) >= SHARD_SEQUENCES:
+                    flush()
+        flush()
+    finally:
+        engine.hidden_observer = None
+        bar.close()
 
 
 def _check_prompts(records: list[dict], answers: dict[int, dict], tokenizer, cache: Path) -> None:
@@ -209,55 +306,60 @@ def cache_hidden(answers: list[dict], cache: Path, model: Transformer) -> None:
 
 
 def distill(model: Transformer, fingerprint: str, target_path: str | None, *, cache: Path | None = None,
-            prompts_path: str | Path | None = None, max_prompts: int | None = None, max_new_tokens: int = 256,
-            make_llm: Callable[[], object] | None = None, gen_batch: int = 16, chunk: int = 64,
-            tokenizer: object | None = None) -> DistilledData:
+            prompts_path: str | Path | None = None, extra_records: list[dict] | None = None,
+            max_prompts: int | None = None,
+            max_new_tokens: int = 256, make_llm: Callable[[], object] | None = None, gen_batch: int = 16,
+            tokenizer: object | None = None, feature_layers: tuple[int, ...] | None = None) -> DistilledData:
     """Build (or resume, or just load) the distilled set for the first `max_prompts` prompts and return it.
 
-    model: the target loaded from `target_path` (None: the default model), for the hidden-state forward;
-    make_llm: builds the `specair.LLM` that answers (default: `LLM(target_path, batch_buckets=(1, 2, 4, ...,
-    gen_batch))`); tokenizer: the target's, to check that cached answers belong to these prompts. Splits and
-    categories come from the prompt records, not from the cache."""
+    model: the target loaded from `target_path` (None: the default model); prompts_path: the prompt set
+    (None: the shipped one), extra_records: more prompt records after it (self-generated ones; ids must not
+    repeat); make_llm: builds the `specair.LLM`
+    that answers and records (default: `--backend auto` over batch buckets up to `gen_batch`, recording
+    `feature_layers`, EAGLE-3's defaults when None); tokenizer: the target's, to check that cached answers
+    belong to these prompts. Splits and categories come from the prompt records, not from the cache."""
+    from specair.models.eagle3 import default_feature_layers
+
     cache = Path(cache) if cache is not None else default_cache_dir(fingerprint)
-    records = select_prompts(load_prompts(prompts_path), max_prompts)
+    records = load_prompts(prompts_path) + list(extra_records or [])
+    if len({r["id"] for r in records}) != len(records):
+        raise InputError("the prompt sets share record ids; give each set its own ids")
+    records = select_prompts(records, max_prompts)
+    layers = tuple(feature_layers or default_feature_layers(model.config.num_layers))
     _check_meta(cache, {"format": CACHE_FORMAT, "fingerprint": fingerprint, "max_new_tokens": max_new_tokens,
+                        "feature_layers": list(layers), "hidden_size": model.config.hidden_size,
                         "target": target_path or "default"})
     t0 = time.perf_counter()
     if make_llm is None:
         def make_llm():
             from specair.runtime.llm import LLM
 
-            buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < gen_batch) + (gen_batch,)
+            buckets = tuple(b for b in (1, 4, 16, 64) if b < gen_batch) + (gen_batch,)
             # The context only needs the longest prompt plus the answer: smaller caches, smaller buckets.
             longest = max(len(tokenizer.encode_chat(r["messages"])) for r in records) if tokenizer is not None else 1024
-            return LLM(target_path, batch_buckets=buckets,
-                       max_context=min(model.config.max_position_embeddings, longest + max_new_tokens + 1))
-    llm = None
-    # A chunk of prompts at a time, answers then hidden states, so an interrupted run keeps a usable prefix.
+            return LLM(target_path, backend="auto", batch_buckets=buckets, max_waiting=4 * gen_batch,
+                       max_context=min(model.config.max_position_embeddings, longest + max_new_tokens + 1),
+                       features=layers)
     done_answers, index = read_answers(cache), _read_index(cache)
     if tokenizer is not None:
         _check_prompts(records, done_answers, tokenizer, cache)
     todo = [r for r in records if r["id"] not in done_answers or str(r["id"]) not in index]
-    bar = tqdm(total=len(records), initial=len(records) - len(todo), desc="distill", unit="prompt")
-    for start in range(0, len(todo), chunk):
-        part = todo[start:start + chunk]
-        if llm is None and any(r["id"] not in done_answers for r in part):
-            llm = make_llm()
-        cache_hidden(generate_answers(part, cache, llm, max_new_tokens), cache, model)
-        bar.update(len(part))
-    bar.close()
+    if todo:
+        print(f"distill: {len(records) - len(todo)} of {len(records)} prompts cached in {cache}; answering "
+              f"{len(todo)}", flush=True)
+        answer_and_record(todo, cache, make_llm(), max_new_tokens)
     data = load_distilled(cache, [r["id"] for r in records])
     labels = {r["id"]: (r["split"], r["category"]) for r in records}
     for seq in data.sequences:
         seq.split, seq.category = labels[seq.id]
     data.meta["distill_seconds_this_run"] = round(time.perf_counter() - t0, 1)
+    data.meta["progress"] = read_progress(cache)
     return data
 
 
 def load_distilled(cache: Path, ids: list[int] | None = None, with_hidden: bool = True) -> DistilledData:
-    """Load the distilled set (all of it, or the records `ids`) from a cache dir."""
-    from safetensors import safe_open
-
+    """Load the distilled set (all of it, or the records `ids`) from a cache dir; hidden states stay in the
+    shards until a sequence's are asked for."""
     cache = Path(cache)
     if not (cache / "meta.json").is_file():
         raise InputError(f"{cache}: no distilled set (meta.json missing)")
@@ -272,19 +374,16 @@ def load_distilled(cache: Path, ids: list[int] | None = None, with_hidden: bool 
         a = answers[i]
         seqs.append(DistilledSequence(i, a["split"], a["category"],
                                       torch.tensor(a["prompt_ids"] + a["answer_ids"], dtype=torch.long),
-                                      len(a["prompt_ids"]), None, a.get("finish_reason", "stop")))
+                                      len(a["prompt_ids"]), finish_reason=a.get("finish_reason", "stop")))
     if with_hidden:
         index = _read_index(cache)
-        by_shard: dict[str, list[DistilledSequence]] = {}
+        H = int(meta.get("hidden_size", 0))
         for s in seqs:
             if str(s.id) not in index:
                 raise InputError(f"{cache}: no hidden states for prompt id {s.id}; run the distillation first")
-            by_shard.setdefault(index[str(s.id)], []).append(s)
-        for shard, members in by_shard.items():
-            with safe_open(str(cache / "hidden" / shard), framework="pt") as st:
-                for s in members:
-                    s.hidden = st.get_tensor(f"h.{s.id}")
-                    if s.hidden.shape[0] != s.tokens.numel():
-                        raise InputError(f"{cache}: hidden states of id {s.id} have {s.hidden.shape[0]} rows for "
-                                         f"{s.tokens.numel()} tokens; delete the cache and distill again")
+            s.shard, s.hidden_size = cache / "hidden" / index[str(s.id)], H
+        want = (int(seqs[0].tokens.numel()), H * (len(meta["feature_layers"]) + 1)) if seqs else None
+        if seqs and tuple(seqs[0]._block().shape) != want:
+            raise InputError(f"{cache}: hidden states of id {seqs[0].id} have shape "
+                             f"{tuple(seqs[0]._block().shape)}, expected {want}; delete the cache and distill again")
     return DistilledData(seqs, cache, meta)

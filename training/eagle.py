@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specair.models.eagle import EagleHead, load_eagle, save_eagle
+from specair.models.eagle3 import Eagle3Head
 from specair.models.errors import InputError
 from specair.training.acceptance import AcceptanceCounter, chain_starts, true_token_rank
 from specair.training.data import Batch, collate, length_grouped_batches
@@ -53,10 +54,12 @@ def _diagonal(n: int, dtype: torch.dtype) -> Tensor:
     return torch.where(torch.eye(n, dtype=torch.bool), 0.0, torch.finfo(dtype).min).to(dtype)
 
 
-def unroll_features(head: EagleHead, tokens: Tensor, hidden: Tensor, steps: int, noise: float = 0.0) -> list[Tensor]:
+def unroll_features(head: EagleHead | Eagle3Head, tokens: Tensor, hidden: Tensor, steps: int,
+                    noise: float = 0.0) -> list[Tensor]:
     """The head's features along chains started at every position, for depths 1..steps.
 
-    tokens [B, T], hidden [B, T, H] (the target's). Returns `steps` tensors [B, N, H], N = T - 1: element
+    tokens [B, T], hidden [B, T, F] (the target's: its final hidden state for EAGLE, its layer features for
+    EAGLE-3). Returns `steps` tensors [B, N, H], N = T - 1: element
     [:, p] of step s is the head's estimate of h_{p+s} on the chain whose true entries end at p. Step 1
     is teacher-forced (x_{p+1}, h_p); step s > 1 feeds (x_{p+s}, the step s-1 feature). Tokens past the
     end of a row are clamped to its last slot: callers mask those chains out.
@@ -76,15 +79,15 @@ def unroll_features(head: EagleHead, tokens: Tensor, hidden: Tensor, steps: int,
     k1 = v1 = prev_k = prev_v = None
     for s in range(1, steps + 1):
         tok = tokens[:, (p + s).clamp(max=T - 1)]
-        x = head.fc(torch.cat([head.tok_embeddings(tok).to(dtype), h_in if s == 1 else feats[-1]], dim=-1))
+        x = head.layer_inputs(tok, h_in if s == 1 else feats[-1])
         pos = (p + s - 1).clamp(max=max_pos)
         cos, sin = head.rope_cos[pos].view(1, N, 1, -1), head.rope_sin[pos].view(1, N, 1, -1)
         if s == 1:
-            out, k1, v1 = layer(x, cos, sin, empty, empty, causal.view(1, 1, 1, N, N), None, None)
+            out, k1, v1 = layer(*x, cos, sin, empty, empty, causal.view(1, 1, 1, N, N), None, None)
         else:
             # Keys: step 1's true entries (j <= p), then this chain's own entries of steps 2..s.
             mask = torch.cat([causal] + [diag] * (s - 1), dim=-1).view(1, 1, 1, N, N * s)
-            out, k, v = layer(x, cos, sin, k1, v1, mask, prev_k, prev_v)
+            out, k, v = layer(*x, cos, sin, k1, v1, mask, prev_k, prev_v)
             prev_k = k if prev_k is None else torch.cat([prev_k, k], dim=2)
             prev_v = v if prev_v is None else torch.cat([prev_v, v], dim=2)
         feats.append(out)
@@ -103,20 +106,44 @@ def _full_to_reduced(head: EagleHead) -> Tensor | None:
 class EagleRecipe:
     """Trains an EagleHead over a frozen target from a TrainingSetup."""
 
+    name = "eagle"
+    load_with = "specair.models.eagle.load_eagle(DIR, target)"
+
     def __init__(self, setup: TrainingSetup, settings: EagleSettings) -> None:
         self.setup, self.s = setup, settings
         self.vocab = setup.draft_vocab(settings.draft_vocab)
-        self.head = EagleHead(setup.target, draft_vocab=self.vocab)
+        self.head = self.make_head()
         if settings.init == "identity":
             self._init_identity()
         elif settings.init != "random":
             raise InputError(f"unknown EAGLE init {settings.init!r} (identity, random)")
         self.head.train()
         self.to_reduced = _full_to_reduced(self.head)
-        self.params = {f"fc.{n}": p for n, p in self.head.fc.named_parameters()}
-        self.params |= {f"layers.{n}": p for n, p in self.head.layers.named_parameters()}
+        self.params = {n: p for n, p in self.head.named_parameters()
+                       if any(p is q for q in self.head.own_parameters())}
         for p in self.params.values():
             p.requires_grad_(True)
+
+    @classmethod
+    def around(cls, setup: TrainingSetup, settings: EagleSettings, head: EagleHead) -> "EagleRecipe":
+        """The recipe over an existing head (a shipped or loaded one), to evaluate it as training does."""
+        self = cls.__new__(cls)
+        self.setup, self.s, self.head, self.vocab = setup, settings, head, head.draft_vocab
+        self.to_reduced, self.params = _full_to_reduced(head), {}
+        return self
+
+    def make_head(self) -> EagleHead:
+        return EagleHead(self.setup.target, draft_vocab=self.vocab)
+
+    def inputs(self, batch: Batch) -> Tensor:
+        """The target states the head reads: its final hidden state."""
+        return batch.hidden
+
+    def collate(self, seqs: list) -> Batch:
+        return collate(seqs)
+
+    def export(self, out: Path) -> None:
+        export_eagle(self.head, out)
 
     def _init_identity(self) -> None:
         """fc passes the hidden half through and the layer's output projections start at zero, so the untrained
@@ -139,7 +166,7 @@ class EagleRecipe:
     def losses(self, batch: Batch, steps: int, noise: float) -> tuple[Tensor, dict]:
         """Weighted loss over unroll steps and per-step metrics (on answer positions only)."""
         head, s = self.head, self.s
-        feats = unroll_features(head, batch.tokens, batch.hidden, steps, noise)
+        feats = unroll_features(head, batch.tokens, self.inputs(batch), steps, noise)
         T = batch.tokens.shape[1]
         N = T - 1
         p = torch.arange(N)
@@ -167,7 +194,7 @@ class EagleRecipe:
         return total / max(weight_sum, 1e-9), metrics
 
     def train_step(self, indices: list[int], step: int) -> dict:
-        batch = collate([self._train[i] for i in indices])
+        batch = self.collate([self._train[i] for i in indices])
         loss, metrics = self.losses(batch, self.s.unroll, self.s.noise)
         return {"loss": loss, **{k: v for k, v in metrics.items() if k in ("acc1", f"acc{self.s.unroll}")}}
 
@@ -180,10 +207,10 @@ class EagleRecipe:
         losses = []
         seqs = self.setup.heldout
         for b in range(0, len(seqs), batch_size):
-            batch = collate(seqs[b:b + batch_size])
+            batch = self.collate(seqs[b:b + batch_size])
             loss, _ = self.losses(batch, 1, 0.0)
             losses.append(float(loss))
-            feats = unroll_features(head, batch.tokens, batch.hidden, depth)
+            feats = unroll_features(head, batch.tokens, self.inputs(batch), depth)
             T = batch.tokens.shape[1]
             N = T - 1
             p = torch.arange(N)
@@ -192,7 +219,10 @@ class EagleRecipe:
                 true_tok = self._targets(batch.tokens[:, (p + d + 1).clamp(max=T - 1)])
                 ranks.append(true_token_rank(head.logits(f, reduced=True), true_tok))
             starts = chain_starts(batch.lengths, batch.prompt_lens, N, depth, offset=2)
-            counter.add(torch.stack(ranks, -1)[starts])
+            ranks = torch.stack(ranks, -1)
+            counter.add(ranks[starts])
+            for row, mask in zip(ranks, starts):  # the engine's first draft follows the prefill's first token
+                counter.add_walk(row[mask][1:])
         head.train()
         return {"heldout_loss": round(sum(losses) / max(len(losses), 1), 5), "acceptance": counter.result()}
 
@@ -201,17 +231,16 @@ class EagleRecipe:
         self._train = self.setup.train
         lengths = [int(x.tokens.numel()) for x in self._train]
         steps_per_epoch = -(-len(self._train) // cfg.batch_size)
-        trainer = Trainer(self.params, cfg, out / "checkpoint", steps_per_epoch, desc="eagle")
+        trainer = Trainer(self.params, cfg, out / "checkpoint", steps_per_epoch, desc=self.name)
         if resume and trainer.load_latest():
-            print(f"eagle: resumed from step {trainer.step} of {trainer.total_steps}", flush=True)
+            print(f"{self.name}: resumed from step {trainer.step} of {trainer.total_steps}", flush=True)
         t0 = time.perf_counter()
         final = trainer.fit(lambda epoch: length_grouped_batches(lengths, cfg.batch_size, cfg.seed * 7919 + epoch),
                             self.train_step, self.evaluate)
-        export_eagle(self.head, out)
-        write_training_json(out, "eagle", self.setup, {**asdict(cfg), **asdict(self.s)}, final, trainer.history,
+        self.export(out)
+        write_training_json(out, self.name, self.setup, {**asdict(cfg), **asdict(self.s)}, final, trainer.history,
                             self.setup.vocab_report(self.vocab),
-                            {"train_time_s": round(time.perf_counter() - t0, 1),
-                             "load_with": "specair.models.eagle.load_eagle(DIR, target)"})
+                            {"train_time_s": round(time.perf_counter() - t0, 1), "load_with": self.load_with})
         if not keep_checkpoint:
             shutil.rmtree(out / "checkpoint", ignore_errors=True)
         return final

@@ -240,6 +240,14 @@ def generate_prompts(llm: Any, directory: Path, settings: MagpieSettings, finger
     return store.records[:settings.count]
 
 
+def cached_prompts(directory: Path, settings: MagpieSettings, fingerprint: str) -> list[dict] | None:
+    """The first `settings.count` prompts of a finished set in `directory`, or None if it holds fewer."""
+    if not (Path(directory) / "progress.json").is_file():
+        return None
+    store = PromptFile(directory, settings, fingerprint)
+    return store.records[:settings.count] if len(store.records) >= settings.count else None
+
+
 def report(directory: Path) -> dict:
     """progress.json plus rates: what a training record cites about its prompts."""
     p = json.loads((Path(directory) / "progress.json").read_text(encoding="utf-8"))

@@ -32,6 +32,8 @@ class DataOptions:
     max_prompts: int | None = None
     max_new_tokens: int = 256
     gen_batch: int = 16
+    magpie: int = 0  # self-generated prompts added to the set (training.magpie), 0 = none
+    magpie_seed: int = 0
 
 
 @dataclass
@@ -81,10 +83,24 @@ def prepare(options: DataOptions, threads: int | None = None) -> TrainingSetup:
     if threads:
         torch.set_num_threads(threads)
     target, tokenizer, fingerprint = load_target(options.target)
+    extra, magpie_report = [], None
+    if options.magpie:
+        from specair.training import magpie
+
+        directory = magpie.default_dir(fingerprint, options.magpie_seed)
+        settings = magpie.MagpieSettings(count=options.magpie, seed=options.magpie_seed)
+        extra = magpie.cached_prompts(directory, settings, fingerprint)
+        if extra is None:
+            llm = magpie.open_llm(options.target, options.gen_batch)
+            extra = magpie.generate_prompts(llm, directory, settings, fingerprint, batch=8 * options.gen_batch)
+            del llm
+        magpie_report = magpie.report(directory)
     data = distill(target, fingerprint, options.target,
                    cache=Path(options.cache_dir) if options.cache_dir else None, prompts_path=options.prompts,
-                   max_prompts=options.max_prompts, max_new_tokens=options.max_new_tokens,
+                   extra_records=extra, max_prompts=options.max_prompts, max_new_tokens=options.max_new_tokens,
                    gen_batch=options.gen_batch, tokenizer=tokenizer)
+    if magpie_report is not None:
+        data.meta["magpie"] = magpie_report
     if not data.split("train"):
         raise InputError("the distilled set has no training sequences; raise --max-prompts")
     if not data.split("heldout"):
@@ -126,8 +142,10 @@ def write_training_json(out: Path, recipe: str, setup: TrainingSetup, settings: 
         "target": opts.target or "default (SmolLM2-135M-Instruct)",
         "target_fingerprint": setup.fingerprint,
         "data": {"prompt_set": opts.prompts or "specair/training/prompts.jsonl", "max_prompts": opts.max_prompts,
-                 "max_new_tokens": opts.max_new_tokens, "decoding": "greedy, the target's chat template",
-                 **setup.data.summary()},
+                 "magpie_prompts": opts.magpie, "max_new_tokens": opts.max_new_tokens,
+                 "decoding": "greedy, the target's chat template, through --backend auto",
+                 **setup.data.summary(), "magpie": setup.data.meta.get("magpie"),
+                 "distillation": setup.data.meta.get("progress")},
         "draft_vocab": vocab,
         "settings": settings,
         "heldout_eval": final_eval,
