@@ -35,7 +35,62 @@ from specair.models.llama import AttentionInputs, Block, ModelOutput, Transforme
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
-class EagleHead(nn.Module):
+class DraftHead(nn.Module):
+    """What EAGLE heads share: one decoder layer fed by `layer_inputs(tokens, input_hidden)`, run with the
+    target's pure, static-shape contract, and a one-layer cache."""
+
+    config: ModelConfig
+    rope_cos: Tensor
+    rope_sin: Tensor
+
+    def layer_inputs(self, tokens: Tensor, input_hidden: Tensor) -> tuple[Tensor, ...]:
+        raise NotImplementedError
+
+    def logits(self, hidden: Tensor, reduced: bool = False) -> Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache_len: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        tree_mask: Tensor | None = None,
+        logits_index: Tensor | None = None,
+        prev_k: Tensor | None = None,
+        prev_v: Tensor | None = None,
+        *,
+        input_hidden: Tensor,
+    ) -> ModelOutput:
+        """`Transformer.forward`'s contract (pure: reads the cache, returns the new K/V [1, B, Hkv, T, D]) with
+        input_hidden [B, T, F], the target state paired with each token (or a parent node's output). The
+        output's `hidden` is the layer output (what a child node takes as its input_hidden; not normed);
+        logits [B, n, V]."""
+        C = k_cache.shape[3]
+        x = self.layer_inputs(tokens, input_hidden)
+        cos = self.rope_cos[positions].unsqueeze(2)
+        sin = self.rope_sin[positions].unsqueeze(2)
+        # The target's mask builder reads only `config` (sliding window), which the head shares.
+        mask = Transformer._mask(self, positions, cache_len, C, tree_mask, x[-1].dtype)  # type: ignore[arg-type]
+        hidden, k, v = self.layers[0](*x, cos, sin, k_cache[0], v_cache[0], mask,
+                                      None if prev_k is None else prev_k[0], None if prev_v is None else prev_v[0],
+                                      AttentionInputs(cache_len, tree_mask, self.config.sliding_window, positions,
+                                                      (self.rope_cos, self.rope_sin)))
+        picked = hidden
+        if logits_index is not None:
+            picked = hidden.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        return ModelOutput(self.logits(picked), hidden, k.unsqueeze(0), v.unsqueeze(0))
+
+    def empty_cache(self, batch: int, slots: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+        """A zeroed K and V cache [1, batch, Hkv, slots, D] in the head's dtype."""
+        c = self.config
+        shape = (1, batch, c.num_kv_heads, slots, c.head_dim)
+        return (torch.zeros(shape, dtype=self.dtype, device=device),
+                torch.zeros(shape, dtype=self.dtype, device=device))
+
+
+class EagleHead(DraftHead):
     """An EAGLE-1/2 head over a target `Transformer`. `forward` has the target's pure, static-shape contract
     plus `input_hidden` (the hidden state paired with each token)."""
 
@@ -107,46 +162,6 @@ class EagleHead(nn.Module):
         """What the decoder layer takes before its RoPE tables: fc(cat(embedding, hidden))."""
         emb = self.tok_embeddings(tokens).to(input_hidden.dtype)
         return (self.fc(torch.cat([emb, input_hidden], dim=-1)),)
-
-    def forward(
-        self,
-        tokens: Tensor,
-        positions: Tensor,
-        cache_len: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        tree_mask: Tensor | None = None,
-        logits_index: Tensor | None = None,
-        prev_k: Tensor | None = None,
-        prev_v: Tensor | None = None,
-        *,
-        input_hidden: Tensor,
-    ) -> ModelOutput:
-        """`Transformer.forward`'s contract (pure: reads the cache, returns the new K/V [1, B, Hkv, T, D]) with
-        input_hidden [B, T, H], the target hidden state paired with each token. The output's `hidden` is the
-        layer output (the feature a child node takes as its input_hidden; not normed); logits [B, n, V]."""
-        C = k_cache.shape[3]
-        (x,) = self.layer_inputs(tokens, input_hidden)
-        cos = self.rope_cos[positions].unsqueeze(2)
-        sin = self.rope_sin[positions].unsqueeze(2)
-        # The target's mask builder reads only `config` (sliding window), which the head shares.
-        mask = Transformer._mask(self, positions, cache_len, C, tree_mask, x.dtype)  # type: ignore[arg-type]
-        hidden, k, v = self.layers[0](x, cos, sin, k_cache[0], v_cache[0], mask,
-                                      None if prev_k is None else prev_k[0], None if prev_v is None else prev_v[0],
-                                      AttentionInputs(cache_len, tree_mask, self.config.sliding_window, positions,
-                                                      (self.rope_cos, self.rope_sin)))
-        picked = hidden
-        if logits_index is not None:
-            picked = hidden.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        return ModelOutput(self.logits(picked), hidden, k.unsqueeze(0), v.unsqueeze(0))
-
-    def empty_cache(self, batch: int, slots: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-        """A zeroed K and V cache [1, batch, Hkv, slots, D] in the head's dtype."""
-        c = self.config
-        shape = (1, batch, c.num_kv_heads, slots, c.head_dim)
-        return (torch.zeros(shape, dtype=self.dtype, device=device),
-                torch.zeros(shape, dtype=self.dtype, device=device))
-
 
 # ---- helpers shared by the draft-head modules ----
 

@@ -26,11 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from specair.models.config import ModelConfig
-from specair.models.eagle import (check_draft_vocab, expect_shape, read_config, read_safetensors,
+from specair.models.eagle import (DraftHead, check_draft_vocab, expect_shape, read_config, read_safetensors,
                                   resolve_weights_file, save_safetensors, scatter_vocab)
 from specair.models.errors import ModelFormatError
-from specair.models.llama import (AttentionInputs, Attention, FeedForward, ModelOutput, RMSNorm, Transformer,
-                                  rope_tables, static_shape)
+from specair.models.llama import (AttentionInputs, Attention, FeedForward, RMSNorm, Transformer, rope_tables,
+                                  static_shape)
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -67,7 +67,7 @@ class MidLayer(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x)), k, v
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftHead):
     """An EAGLE-3 head over a target `Transformer`: `EagleHead`'s contract (pure, static shapes), with
     input_hidden either the target's features [B, T, 3Ht] or the head's own layer outputs [B, T, H]."""
 
@@ -138,32 +138,6 @@ class Eagle3Head(nn.Module):
         if static_shape(h)[-1] != self.config.hidden_size:
             h = self.fc(h)
         return self.tok_embeddings(tokens).to(h.dtype), h
-
-    def forward(self, tokens: Tensor, positions: Tensor, cache_len: Tensor, k_cache: Tensor, v_cache: Tensor,
-                tree_mask: Tensor | None = None, logits_index: Tensor | None = None, prev_k: Tensor | None = None,
-                prev_v: Tensor | None = None, *, input_hidden: Tensor) -> ModelOutput:
-        """`EagleHead.forward`'s contract. input_hidden [B, T, 3Ht] (target features, fused by fc) or
-        [B, T, H] (the head's own outputs). The output's `hidden` is the layer output (pre-norm)."""
-        C = k_cache.shape[3]
-        emb, h = self.layer_inputs(tokens, input_hidden)
-        cos = self.rope_cos[positions].unsqueeze(2)
-        sin = self.rope_sin[positions].unsqueeze(2)
-        mask = Transformer._mask(self, positions, cache_len, C, tree_mask, h.dtype)  # type: ignore[arg-type]
-        hidden, k, v = self.layers[0](emb, h, cos, sin, k_cache[0], v_cache[0], mask,
-                                      None if prev_k is None else prev_k[0], None if prev_v is None else prev_v[0],
-                                      AttentionInputs(cache_len, tree_mask, self.config.sliding_window, positions,
-                                                      (self.rope_cos, self.rope_sin)))
-        picked = hidden
-        if logits_index is not None:
-            picked = hidden.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        return ModelOutput(self.logits(picked), hidden, k.unsqueeze(0), v.unsqueeze(0))
-
-    def empty_cache(self, batch: int, slots: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-        """A zeroed K and V cache [1, batch, Hkv, slots, D] in the head's dtype."""
-        c = self.config
-        shape = (1, batch, c.num_kv_heads, slots, c.head_dim)
-        return (torch.zeros(shape, dtype=self.dtype, device=device),
-                torch.zeros(shape, dtype=self.dtype, device=device))
 
 
 # ---- checkpoints ----
@@ -277,7 +251,8 @@ def load_eagle3(path: str | os.PathLike, target: Transformer) -> Eagle3Head:
         expect_shape(sd, "fc.bias", (H,), src)
     if "embed_tokens.weight" in sd:
         expect_shape(sd, "embed_tokens.weight", (tc.vocab_size, H), src)
-    known = set(shapes) | {"fc.weight", "fc.bias", "t2d", "embed_tokens.weight"} | {m + f"self_attn.{n}_proj.bias" for n in _ATT}
+    known = set(shapes) | {"fc.weight", "fc.bias", "t2d", "embed_tokens.weight"}
+    known |= {m + f"self_attn.{n}_proj.bias" for n in _ATT}
     unknown = sorted(set(sd) - known)
     if unknown:
         raise ModelFormatError(f"{src}: unexpected tensors {', '.join(unknown[:3])}; an EAGLE-3 head has fc, one "
@@ -306,7 +281,8 @@ def load_eagle3(path: str | os.PathLike, target: Transformer) -> Eagle3Head:
             "layers.0.ffn_norm.weight": sd[m + "post_attention_layernorm.weight"],
             "layers.0.attention.wqkv.weight": torch.cat([sd[m + f"self_attn.{n}_proj.weight"] for n in _ATT]),
             "layers.0.attention.wo.weight": sd[m + "self_attn.o_proj.weight"],
-            "layers.0.feed_forward.w13.weight": torch.cat([sd[m + "mlp.gate_proj.weight"], sd[m + "mlp.up_proj.weight"]]),
+            "layers.0.feed_forward.w13.weight": torch.cat([sd[m + "mlp.gate_proj.weight"],
+                                                           sd[m + "mlp.up_proj.weight"]]),
             "layers.0.feed_forward.w2.weight": sd[m + "mlp.down_proj.weight"],
             "norm.weight": sd["norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
     if bias:

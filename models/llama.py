@@ -366,7 +366,8 @@ def with_features(model: Transformer, layers: tuple[int, ...], final: bool = Fal
         return model
     with torch.device("meta"):
         view = Transformer(model.config, model.dtype)
-    view.tok_embeddings, view.norm, view.output, view.layers = model.tok_embeddings, model.norm, model.output, model.layers
+    view.tok_embeddings, view.norm, view.output = model.tok_embeddings, model.norm, model.output
+    view.layers = model.layers
     view.rope_cos, view.rope_sin = model.rope_cos, model.rope_sin
     view.feature_layers, view.feature_final = layers, final
     return view.eval()

@@ -135,9 +135,11 @@ def _log_spec(plan: Plan, backend: str) -> None:
 PREFILL_CHUNK_MIN = 16
 AUTO = "auto"
 AUTO_MAX_CONTEXT = 2048  # the cached build's default context
-# "plain" (temperature only) has its own graphs: the filtered variant's sort over the vocabulary costs more than
-# the rest of a batched decode step's sampling.
+# Plain decoding gets "plain" (temperature only) graphs of its own: the filtered variant's sort over the
+# vocabulary costs more than the rest of a batched decode step. Speculative plans, with a graph per variant
+# for every draft and verify shape, keep two (plain sampling rows run exactly on the filtered graphs).
 AUTO_VARIANTS = ("greedy", "plain", "filtered")
+AUTO_SPEC_VARIANTS = ("greedy", "filtered")
 
 
 def auto_backend(model: str | None, quantize: str | None = None) -> tuple[str, str | None]:
@@ -200,7 +202,8 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
             be = get_backend(backend, threads, quantize=quantize)
             models = load_models(model, dtype, spec, _device(be, device), features)
             plan = _plan(models.target, spec, max_context or AUTO_MAX_CONTEXT, dtype, backend=be, draft=models.draft,
-                         batch_buckets=batch_buckets, variants=AUTO_VARIANTS)
+                         batch_buckets=batch_buckets,
+                         variants=AUTO_VARIANTS if spec is None else AUTO_SPEC_VARIANTS)
             art, manifest = cached_artifacts(models, plan, be)
             return _artifact_engine(models, plan, be, art, manifest, f"remove {art} (specair rebuilds it)",
                                     max_waiting, name)

@@ -704,6 +704,20 @@ def test_eagle_draft_loops_compile(target, strict_dynamo):
     assert all(int(t) % 2 == 0 for t in out[0][:, 1:].flatten())  # drafted tokens come from the draft vocabulary
 
 
+def test_eagle3_draft_loop_compiles(target, strict_dynamo):
+    head = randomise(Eagle3Head(target, draft_vocab=E3_VOCAB))
+    g = torch.Generator().manual_seed(0)
+    catch, n_catch, draft_len = torch.randint(0, V, (B, W), generator=g), torch.tensor([1, 4]), torch.tensor([3, 9])
+    catch_feat = torch.randn(B, W, 2 * H, generator=g)
+    k, v = head.empty_cache(B, SLOTS)
+
+    def loop(catch, n_catch, draft_len, k, v, catch_feat):
+        return draft_topk_tree(head, catch, n_catch, draft_len, k, v, 2, 2, 4, CTX, catch_hidden=catch_feat)
+
+    out = compiled_equals_eager(loop, catch, n_catch, draft_len, k, v, catch_feat)
+    assert all(int(t) % 3 == 0 for t in out[0][:, 1:].flatten())  # drafted tokens come from the draft vocabulary
+
+
 def test_head_graphs_compile(target, strict_dynamo):
     medusa = MedusaHeads(target, 3, 1, draft_vocab=torch.arange(V // 2))
     spec = MLPSpeculator(target, 3, 32)

@@ -20,6 +20,7 @@ from specair.models.medusa import load_medusa
 from specair.training import prompt_set
 from specair.training.acceptance import AcceptanceCounter, true_token_rank
 from specair.training.data import build_draft_vocab, collate
+from specair.runtime.llm import LLM
 from specair.training.distill import select_prompts, target_hidden
 from specair.models.llama import with_features
 from specair.training.draft import DraftRecipe, DraftSettings
@@ -362,6 +363,54 @@ def test_train_cli_parses_and_validates(tmp_path):
     assert args.recipe == "eagle" and args.draft_vocab == 4096 and args.resume and args.target is None
     args = parser.parse_args(["train", "medusa", "--out", str(tmp_path), "--num-heads", "3"])
     assert args.num_heads == 3 and args.batch_size == 512
+    args = parser.parse_args(["train", "eagle3", "--out", str(tmp_path)])
+    assert args.magpie == 20000 and args.unroll == 5 and args.gen_batch == 32  # one command reproduces the head
+    args = parser.parse_args(["train", "prompts", "--count", "0"])
+    with pytest.raises(InputError, match="--count"):
+        args.func(args)
     args = parser.parse_args(["train", "draft", "--out", str(tmp_path), "--num-layers", "4", "--epochs", "0"])
     with pytest.raises(InputError, match="--epochs"):
         args.func(args)
+
+
+# ---- self-generated prompts (Magpie) ----
+
+def test_magpie_filters_and_conditioning():
+    from specair.training.magpie import TASKS, MagpieSettings, candidate, normalize, reject_reason
+
+    s = MagpieSettings()
+    ok = "How do I keep basil alive on a windowsill in winter?"
+    assert reject_reason(ok, "stop", s) is None
+    assert reject_reason(ok, "length", s) == "unfinished"
+    assert reject_reason("Hi there", "stop", s) == "short"
+    assert reject_reason("What is this?<|im_start|>assistant", "stop", s) == "template"
+    assert reject_reason("Wie geht es dir heute, mein Freund? Ça va très bien, merci à vous", "stop", s) == "language"
+    assert reject_reason("1234 5678 9999 = + - * / 4444 3333", "stop", s) == "language"
+    assert reject_reason("the cat sat on the mat " * 4, "stop", s) == "repetition"
+    assert reject_reason("Why is the sky blue???????????", "stop", s) == "repetition"
+    assert normalize("How do I, keep basil ALIVE?") == normalize("how do i keep basil alive")
+    a, b = candidate(s, 7), candidate(MagpieSettings(seed=0), 7)
+    assert a == b and a["kind"] in TASKS and a["topic"] in a["system"]  # fixed by (seed, i)
+    assert candidate(MagpieSettings(seed=1), 7) != a or candidate(MagpieSettings(seed=1), 8) != candidate(s, 8)
+
+
+def test_magpie_generation_resumes_and_reproduces(default_hf_dir, tmp_path):
+    """The default model writes user turns; a run stopped after one batch and resumed gives the same set as
+    one run, and a directory made with other settings is refused."""
+    from specair.training.magpie import MagpieSettings, generate_prompts, report, user_turn_prefix
+
+    llm = LLM(backend="eager", batch_buckets=(1, 8), max_context=256)
+    prefix = user_turn_prefix(llm.tokenizer, "You chat with users.")
+    assert prefix.endswith("<|im_start|>user\n") and "You chat with users." in prefix
+    small = MagpieSettings(count=4, max_tokens=32)
+    one = generate_prompts(llm, tmp_path / "a", small, "fp", batch=8)
+    generate_prompts(llm, tmp_path / "b", MagpieSettings(count=2, max_tokens=32), "fp", batch=8)
+    resumed = generate_prompts(llm, tmp_path / "b", small, "fp", batch=8)
+    assert [r["messages"] for r in resumed] == [r["messages"] for r in one] and len(one) == 4
+    texts = [r["messages"][0]["content"] for r in one]
+    assert len(set(texts)) == 4 and all(len(t.split()) >= 3 for t in texts)
+    assert {r["split"] for r in one} <= {"train", "heldout"} and all(r["id"] >= 1_000_000 for r in one)
+    rep = report(tmp_path / "a")
+    assert rep["kept"] == 4 and rep["tried"] >= 4 and rep["prompts_per_s"] > 0
+    with pytest.raises(InputError, match="temperature"):
+        generate_prompts(llm, tmp_path / "a", MagpieSettings(count=4, max_tokens=32, temperature=1.0), "fp")

@@ -181,7 +181,8 @@ def read_progress(cache: Path) -> dict:
         return {}
     p = json.loads(f.read_text(encoding="utf-8"))
     s = max(p["seconds"], 1e-9)
-    return {**p, "prompts_per_s": round(p["prompts"] / s, 2), "generated_tokens_per_s": round(p["generated_tokens"] / s, 1)}
+    return {**p, "prompts_per_s": round(p["prompts"] / s, 2),
+            "generated_tokens_per_s": round(p["generated_tokens"] / s, 1)}
 
 
 def answer_and_record(records: list[dict], cache: Path, llm: object, max_new_tokens: int) -> None:

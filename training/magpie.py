@@ -211,8 +211,11 @@ def generate_prompts(llm: Any, directory: Path, settings: MagpieSettings, finger
                                  top_p=settings.top_p, seed=settings.seed * 1_000_003 + first + j)
                   for j in range(len(cands))]
         results = llm.generate(ids, params)
-        new = []
+        new, examined = [], 0
         for j, (c, res) in enumerate(zip(cands, results)):
+            if len(store.records) + len(new) >= settings.count:
+                break  # the rest stay untried, so a larger count resumes exactly here
+            examined = j + 1
             # Decoded with the opening, so a word the target continues stays one word.
             text = tok.decode(openings[j] + list(res.token_ids)).strip()
             why = reject_reason(text, res.finish_reason, settings)
@@ -222,15 +225,13 @@ def generate_prompts(llm: Any, directory: Path, settings: MagpieSettings, finger
             if why is not None:
                 store.progress["rejected"][why] = store.progress["rejected"].get(why, 0) + 1
                 continue
-            if len(store.records) + len(new) >= settings.count:
-                break
             store.seen.add(key)
             n = len(store.records) + len(new)
             new.append({"id": ID_BASE + n, "messages": [{"role": "user", "content": text}],
                         "split": "heldout" if n % HELDOUT_EVERY == HELDOUT_EVERY - 1 else "train",
                         "category": c["kind"], "topic": c["topic"], "source": "magpie", "candidate": first + j})
-        store.progress["tried"] = first + len(cands)
-        store.progress["generated_tokens"] += sum(r.num_generated_tokens for r in results)
+        store.progress["tried"] = first + examined
+        store.progress["generated_tokens"] += sum(r.num_generated_tokens for r in results[:examined])
         store.progress["seconds"] = round(store.progress["seconds"] + time.perf_counter() - t0, 1)
         store.save(new)
         bar.update(len(new))
