@@ -18,6 +18,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -252,18 +253,23 @@ def export_eagle(head: EagleHead, out: Path, dtype: torch.dtype = torch.float16)
     cast_safetensors(out / "model.safetensors", dtype)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = EagleSettings()
+def add_head_arguments(p: argparse.ArgumentParser, d: EagleSettings | Any, identity_help: str) -> None:
+    """The options EAGLE and EAGLE-3 share, with `d`'s defaults."""
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
                    help="draft vocabulary: the N most frequent answer tokens (0 = full vocabulary)")
     p.add_argument("--unroll", type=int, default=d.unroll,
-                   help="training-time-test steps on the head's own features (1 = EAGLE-1 only)")
+                   help="training-time-test steps on the head's own features (1 = teacher forcing only)")
     p.add_argument("--step-decay", type=float, default=d.step_decay, help="loss weight decay per unroll step")
-    p.add_argument("--ce-weight", type=float, default=d.ce_weight, help="weight of the cross-entropy term")
-    p.add_argument("--noise", type=float, default=d.noise, help="uniform noise half-width on input hidden states")
+    p.add_argument("--noise", type=float, default=d.noise, help="uniform noise half-width on the input states")
     p.add_argument("--eval-depth", type=int, default=d.eval_depth, help="draft depth of the held-out eval")
     p.add_argument("--init", choices=("identity", "random"), default=d.init,
-                   help="identity: the untrained head returns its input hidden state; random: default init")
+                   help=f"identity: {identity_help}; random: default init")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = EagleSettings()
+    add_head_arguments(p, d, "the untrained head returns its input hidden state")
+    p.add_argument("--ce-weight", type=float, default=d.ce_weight, help="weight of the cross-entropy term")
 
 
 def settings_from_args(args: argparse.Namespace) -> EagleSettings:

@@ -20,7 +20,7 @@ from torch import Tensor
 from specair.models.eagle3 import Eagle3Head, default_feature_layers, load_eagle3, save_eagle3
 from specair.models.errors import InputError
 from specair.training.data import Batch, collate
-from specair.training.eagle import EagleRecipe, unroll_features
+from specair.training.eagle import EagleRecipe, add_head_arguments, unroll_features
 from specair.training.setup import TrainingSetup, cast_safetensors
 
 
@@ -36,6 +36,13 @@ class Eagle3Settings:
     init: str = "identity"  # "identity": fc picks the highest feature, the layer adds nothing at first; "random"
 
 
+def _target_rows(setup: TrainingSetup, vocab: Tensor | None) -> Tensor:
+    """The target's LM-head rows of the draft vocabulary [Vd, H] (the whole head without one)."""
+    t = setup.target
+    w = t.tok_embeddings.weight if t.output is None else t.output.weight
+    return w if vocab is None else w[vocab.to(w.device)]
+
+
 class Eagle3Recipe(EagleRecipe):
     """Trains an Eagle3Head over a frozen target from a TrainingSetup (features recorded at distillation)."""
 
@@ -48,17 +55,15 @@ class Eagle3Recipe(EagleRecipe):
             raise InputError(f"the distilled set recorded features of layers {list(layers)}; EAGLE-3 reads "
                              f"{list(default_feature_layers(setup.target.config.num_layers))}")
         super().__init__(setup, settings)
-        tw = setup.target.tok_embeddings.weight if setup.target.output is None else setup.target.output.weight
+        self.target_rows = _target_rows(setup, self.vocab)
         with torch.no_grad():  # start from the target's own readout over the draft vocabulary
-            self.head.lm_head.weight.copy_(tw if self.vocab is None else tw[self.vocab])
+            self.head.lm_head.weight.copy_(self.target_rows)
             self.head.norm.weight.copy_(setup.target.norm.weight)
-        self.target_rows = tw if self.vocab is None else tw[self.vocab]
 
     @classmethod
     def around(cls, setup: TrainingSetup, settings: Eagle3Settings, head: Eagle3Head) -> "Eagle3Recipe":
         self = super().around(setup, settings, head)
-        tw = setup.target.tok_embeddings.weight if setup.target.output is None else setup.target.output.weight
-        self.target_rows = tw if self.vocab is None else tw[self.vocab.cpu()]
+        self.target_rows = _target_rows(setup, self.vocab)
         return self
 
     def make_head(self) -> Eagle3Head:
@@ -126,15 +131,7 @@ def export_eagle3(head: Eagle3Head, out: Path, dtype: torch.dtype = torch.float1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = Eagle3Settings()
-    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
-                   help="draft vocabulary: the N most frequent answer tokens (0 = full vocabulary)")
-    p.add_argument("--unroll", type=int, default=d.unroll, help="training-time-test steps on the head's own outputs")
-    p.add_argument("--step-decay", type=float, default=d.step_decay, help="loss weight decay per unroll step")
-    p.add_argument("--noise", type=float, default=d.noise, help="uniform noise half-width on the input features")
-    p.add_argument("--eval-depth", type=int, default=d.eval_depth, help="draft depth of the held-out eval")
-    p.add_argument("--init", choices=("identity", "random"), default=d.init,
-                   help="identity: the untrained head reads out the highest feature; random: default init")
+    add_head_arguments(p, Eagle3Settings(), "the untrained head reads out the highest feature")
 
 
 def settings_from_args(args: argparse.Namespace) -> Eagle3Settings:
