@@ -81,7 +81,7 @@ def _prompts_parser(recipes: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="longest user turn (longer ones are dropped)")
     p.add_argument("--out", help="directory of the set (default: $SPECAIR_CACHE/train/<target>/magpie-s<seed>)")
-    p.add_argument("--gen-batch", type=int, default=32, help="sequences the engine decodes at once")
+    p.add_argument("--gen-batch", type=int, default=64, help="sequences the engine decodes at once")
     p.add_argument("--threads", type=int, help="CPU threads")
     p.set_defaults(func=cmd_prompts)
 
@@ -99,7 +99,7 @@ def cmd_prompts(args: argparse.Namespace) -> None:
                                      top_p=args.top_p, max_tokens=args.max_tokens)
     fingerprint = load_checkpoint(args.target).fingerprint
     out = Path(args.out) if args.out else magpie.default_dir(fingerprint, args.seed)
-    llm = magpie.open_llm(args.target, args.gen_batch, args.threads)
+    llm = magpie.open_llm(args.target, settings, args.gen_batch, args.threads)
     records = magpie.generate_prompts(llm, out, settings, fingerprint, batch=8 * args.gen_batch)
     rep = magpie.report(out)
     print(f"prompts: {len(records)} in {out / 'prompts.jsonl'} | " + json.dumps(

@@ -91,8 +91,9 @@ def prepare(options: DataOptions, threads: int | None = None) -> TrainingSetup:
         settings = magpie.MagpieSettings(count=options.magpie, seed=options.magpie_seed)
         extra = magpie.cached_prompts(directory, settings, fingerprint)
         if extra is None:
-            llm = magpie.open_llm(options.target, options.gen_batch)
-            extra = magpie.generate_prompts(llm, directory, settings, fingerprint, batch=8 * options.gen_batch)
+            batch = max(options.gen_batch, 64)
+            llm = magpie.open_llm(options.target, settings, batch)
+            extra = magpie.generate_prompts(llm, directory, settings, fingerprint, batch=8 * batch)
             del llm
         magpie_report = magpie.report(directory)
     data = distill(target, fingerprint, options.target,
