@@ -394,9 +394,11 @@ def test_magpie_filters_and_conditioning():
     assert candidate(MagpieSettings(seed=1), 7) != a or candidate(MagpieSettings(seed=1), 8) != candidate(s, 8)
 
 
-def test_magpie_generation_resumes_and_reproduces(default_hf_dir, tmp_path):
-    """The default model writes user turns; a run stopped after one batch and resumed gives the same set as
-    one run, and a directory made with other settings is refused."""
+def test_magpie_generation_resumes_and_reproduces(default_hf_dir, tmp_path, monkeypatch):
+    """The default model writes user turns; a run stopped after one batch and resumed -- also from a shipped
+    copy of the partial set -- gives the same set as one run, and a directory made with other settings is
+    refused."""
+    from specair.training import magpie
     from specair.training.magpie import MagpieSettings, generate_prompts, report, user_turn_prefix
 
     llm = LLM(backend="eager", batch_buckets=(1, 8), max_context=256)
@@ -404,9 +406,17 @@ def test_magpie_generation_resumes_and_reproduces(default_hf_dir, tmp_path):
     assert prefix.endswith("<|im_start|>user\n") and "You chat with users." in prefix
     small = MagpieSettings(count=4, max_tokens=32)
     one = generate_prompts(llm, tmp_path / "a", small, "fp", batch=8)
-    generate_prompts(llm, tmp_path / "b", MagpieSettings(count=2, max_tokens=32), "fp", batch=8)
+    half = MagpieSettings(count=2, max_tokens=32)
+    generate_prompts(llm, tmp_path / "b", half, "fp", batch=8)
+    monkeypatch.setattr(magpie, "SHIPPED", tmp_path / "shipped")
+    magpie.ship(tmp_path / "b", seed=0)  # a set shipped in the package seeds an empty directory
+    assert [r["messages"] for r in magpie.cached_prompts(tmp_path / "d", half, "fp")] == \
+        [r["messages"] for r in one[:2]]
+    assert magpie.cached_prompts(tmp_path / "e", half, "another target") is None
+    from_shipped = generate_prompts(llm, tmp_path / "c", small, "fp", batch=8)
     resumed = generate_prompts(llm, tmp_path / "b", small, "fp", batch=8)
     assert [r["messages"] for r in resumed] == [r["messages"] for r in one] and len(one) == 4
+    assert [r["messages"] for r in from_shipped] == [r["messages"] for r in one]
     texts = [r["messages"][0]["content"] for r in one]
     assert len(set(texts)) == 4 and all(len(t.split()) >= 3 for t in texts)
     assert {r["split"] for r in one} <= {"train", "heldout"} and all(r["id"] >= 1_000_000 for r in one)

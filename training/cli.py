@@ -83,6 +83,8 @@ def _prompts_parser(recipes: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="directory of the set (default: $SPECAIR_CACHE/train/<target>/magpie-s<seed>)")
     p.add_argument("--gen-batch", type=int, default=64, help="sequences the engine decodes at once")
     p.add_argument("--threads", type=int, help="CPU threads")
+    p.add_argument("--ship", action="store_true",
+                   help="then copy the set into the package (specair/training/magpie/), where training starts from it")
     p.set_defaults(func=cmd_prompts)
 
 
@@ -104,6 +106,8 @@ def cmd_prompts(args: argparse.Namespace) -> None:
     rep = magpie.report(out)
     print(f"prompts: {len(records)} in {out / 'prompts.jsonl'} | " + json.dumps(
         {k: rep[k] for k in ("tried", "kept", "rejected", "prompts_per_s", "generated_tokens_per_s")}), flush=True)
+    if args.ship:
+        print(f"shipped: {magpie.ship(out, args.seed)}", flush=True)
 
 
 def cmd_train(args: argparse.Namespace) -> None:

@@ -26,6 +26,9 @@ from specair.models.errors import InputError
 
 FORMAT = 1
 HELDOUT_EVERY = 10
+# Sets generated for the default model ship here (`prompts-s<seed>.jsonl.gz` + `progress-s<seed>.json`), so a
+# training run starts from them instead of hours of sampling; a larger --count resumes where they stop.
+SHIPPED = Path(__file__).parent / "magpie"
 ID_BASE = 1_000_000  # magpie ids sit above the shipped set's
 
 TOPICS = (
@@ -150,6 +153,8 @@ class PromptFile:
         want = {"format": FORMAT, "fingerprint": fingerprint, "seed": settings.seed,
                 "temperature": settings.temperature, "top_p": settings.top_p, "max_tokens": settings.max_tokens,
                 "min_words": settings.min_words, "engine": settings.engine}
+        if not self.progress_path.is_file():
+            self._seed_from_shipped(want)
         if self.progress_path.is_file():
             self.progress = json.loads(self.progress_path.read_text(encoding="utf-8"))
             for key, value in want.items():
@@ -164,6 +169,24 @@ class PromptFile:
         # candidates that made them run again.
         self.records = self.records[:self.progress["kept"]]
         self.seen = {normalize(r["messages"][0]["content"]) for r in self.records}
+
+    def _seed_from_shipped(self, want: dict) -> None:
+        """Start an empty directory from the shipped set made with the same settings (target included), if any."""
+        import gzip
+
+        records, progress = SHIPPED / f"prompts-s{want['seed']}.jsonl.gz", SHIPPED / f"progress-s{want['seed']}.json"
+        if not (records.is_file() and progress.is_file()):
+            return
+        shipped = json.loads(progress.read_text(encoding="utf-8"))
+        if any(shipped.get(k) != v for k, v in want.items()):
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(".prompts.jsonl.tmp")
+        tmp.write_bytes(gzip.decompress(records.read_bytes()))
+        os.replace(tmp, self.path)
+        tmp = self.progress_path.with_name(".progress.json.tmp")
+        tmp.write_text(json.dumps({**shipped, "shipped": shipped["kept"]}, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, self.progress_path)
 
     def _read(self) -> list[dict]:
         if not self.path.is_file():
@@ -246,9 +269,8 @@ def generate_prompts(llm: Any, directory: Path, settings: MagpieSettings, finger
 
 
 def cached_prompts(directory: Path, settings: MagpieSettings, fingerprint: str) -> list[dict] | None:
-    """The first `settings.count` prompts of a finished set in `directory`, or None if it holds fewer."""
-    if not (Path(directory) / "progress.json").is_file():
-        return None
+    """The first `settings.count` prompts of a finished set in `directory` (or of the shipped set), or None if it
+    holds fewer."""
     store = PromptFile(directory, settings, fingerprint)
     return store.records[:settings.count] if len(store.records) >= settings.count else None
 
@@ -259,6 +281,21 @@ def report(directory: Path) -> dict:
     s = max(p["seconds"], 1e-9)
     return {**p, "prompts_per_s": round(p["kept"] / s, 2), "candidates_per_s": round(p["tried"] / s, 2),
             "generated_tokens_per_s": round(p["generated_tokens"] / s, 1)}
+
+
+def ship(directory: Path, seed: int) -> Path:
+    """Copy a generated set into the package (`SHIPPED`), compressed, beside its progress record."""
+    import gzip
+
+    directory = Path(directory)
+    SHIPPED.mkdir(parents=True, exist_ok=True)
+    progress = json.loads((directory / "progress.json").read_text(encoding="utf-8"))
+    progress.pop("shipped", None)
+    lines = (directory / "prompts.jsonl").read_bytes().splitlines(keepends=True)[:progress["kept"]]
+    out = SHIPPED / f"prompts-s{seed}.jsonl.gz"
+    out.write_bytes(gzip.compress(b"".join(lines), compresslevel=9, mtime=0))
+    (SHIPPED / f"progress-s{seed}.json").write_text(json.dumps(progress, indent=2) + "\n", encoding="utf-8")
+    return out
 
 
 def default_dir(fingerprint: str, seed: int) -> Path:
