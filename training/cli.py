@@ -69,9 +69,9 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _prompts_parser(recipes: argparse._SubParsersAction) -> None:
-    from specair.training.magpie import MagpieSettings
+    from specair.training import magpie
 
-    d = MagpieSettings()
+    d = magpie.MagpieSettings()
     h = "self-generated user prompts (Magpie): the target writes user turns from its chat template"
     p = recipes.add_parser("prompts", help=h, description=h)
     p.add_argument("--target", help="target checkpoint (default: SmolLM2-135M-Instruct)")
@@ -81,7 +81,9 @@ def _prompts_parser(recipes: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="longest user turn (longer ones are dropped)")
     p.add_argument("--out", help="directory of the set (default: $SPECAIR_CACHE/train/<target>/magpie-s<seed>)")
-    p.add_argument("--gen-batch", type=int, default=64, help="sequences the engine decodes at once")
+    p.add_argument("--gen-batch", type=int, default=magpie.GEN_BATCH, help="sequences the engine decodes at once")
+    p.add_argument("--engine", choices=magpie.ENGINES, default=d.engine,
+                   help="backend-dtype that samples the turns (part of the set's settings)")
     p.add_argument("--threads", type=int, help="CPU threads")
     p.add_argument("--ship", action="store_true",
                    help="then copy the set into the package (specair/training/magpie/), where training starts from it")
@@ -98,7 +100,7 @@ def cmd_prompts(args: argparse.Namespace) -> None:
     if args.count <= 0 or args.gen_batch <= 0 or args.max_tokens <= 0:
         raise InputError("--count, --gen-batch and --max-tokens must be positive")
     settings = magpie.MagpieSettings(count=args.count, seed=args.seed, temperature=args.temperature,
-                                     top_p=args.top_p, max_tokens=args.max_tokens)
+                                     top_p=args.top_p, max_tokens=args.max_tokens, engine=args.engine)
     fingerprint = load_checkpoint(args.target).fingerprint
     out = Path(args.out) if args.out else magpie.default_dir(fingerprint, args.seed)
     llm = magpie.open_llm(args.target, settings, args.gen_batch, args.threads)

@@ -91,7 +91,7 @@ def prepare(options: DataOptions, threads: int | None = None) -> TrainingSetup:
         settings = magpie.MagpieSettings(count=options.magpie, seed=options.magpie_seed)
         extra = magpie.cached_prompts(directory, settings, fingerprint)
         if extra is None:
-            batch = max(options.gen_batch, 64)
+            batch = max(options.gen_batch, magpie.GEN_BATCH)
             llm = magpie.open_llm(options.target, settings, batch)
             extra = magpie.generate_prompts(llm, directory, settings, fingerprint, batch=8 * batch)
             del llm
