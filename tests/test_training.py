@@ -4,6 +4,7 @@ draft-model training, export through the heads' own loaders, exact resume, and t
 Everything runs on a tiny random Llama that carries the default model's real tokenizer and chat template.
 """
 
+import gzip
 import json
 import shutil
 from pathlib import Path
@@ -132,6 +133,49 @@ def test_distillation_caches_greedy_answers_and_hidden_states(setup, tiny_dir, t
     with pytest.raises(InputError, match="another prompt"):
         distill(setup.target, setup.fingerprint, str(tiny_dir), cache=stale, max_prompts=NUM_PROMPTS,
                 max_new_tokens=NEW_TOKENS, make_llm=no_llm, tokenizer=setup.tokenizer)
+
+
+def test_shipped_answers_seed_a_new_cache_and_features_are_teacher_forced(setup, tiny_dir, tmp_path):
+    from specair.training import distill as dm
+
+    data = setup.data
+    ship = tmp_path / "ship"
+    out = dm.ship_answers(data.cache_dir, ship)
+    info = json.loads(out.with_suffix("").with_suffix(".json").read_text())
+    assert info["answers"] == NUM_PROMPTS and info["fingerprint"] == setup.fingerprint
+    shipped = dm.shipped_answers(setup.fingerprint, NEW_TOKENS, ship)
+    assert sorted(shipped) == sorted(s.id for s in data.sequences)
+    assert dm.shipped_answers(setup.fingerprint, NEW_TOKENS + 1, ship) == {}  # other settings: not used
+    # One shipped answer was made for another prompt: it is answered again, the rest are teacher-forced.
+    lines = gzip.decompress(out.read_bytes()).decode().splitlines()
+    first = json.loads(lines[0])
+    first["prompt_crc"] ^= 1
+    out.write_bytes(gzip.compress("\n".join([json.dumps(first)] + lines[1:]).encode() + b"\n"))
+    llms = []
+
+    def make_llm():
+        llms.append(LLM(str(tiny_dir), backend="auto", batch_buckets=(1, 8), max_waiting=32, max_context=1024,
+                        features=tuple(data.meta["feature_layers"])))
+        return llms[-1]
+
+    old = dm.SHIPPED
+    dm.SHIPPED = ship
+    try:
+        again = dm.distill(setup.target, setup.fingerprint, str(tiny_dir), cache=tmp_path / "fresh",
+                           max_prompts=NUM_PROMPTS, max_new_tokens=NEW_TOKENS, make_llm=make_llm,
+                           tokenizer=setup.tokenizer)
+    finally:
+        dm.SHIPPED = old
+    assert again.meta["shipped_answers_taken"] == NUM_PROMPTS - 1
+    steps = sum(llms[0].engine.bucket_steps.values())
+    assert 0 < steps <= NEW_TOKENS  # only the re-answered prompt decoded
+    by_id = {s.id: s for s in data.sequences}
+    for s in again.sequences:
+        ref = by_id[s.id]
+        assert torch.equal(s.tokens, ref.tokens) and s.prompt_len == ref.prompt_len
+        # Prefilled instead of decoded: the same features up to float16 storage and kernel order.
+        assert torch.allclose(s.hidden[:-1].float(), ref.hidden[:-1].float(), atol=2e-3, rtol=1e-2)
+        assert torch.allclose(s.features[:-1].float(), ref.features[:-1].float(), atol=2e-3, rtol=1e-2)
 
 
 # ---- training: loss goes down, export loads back identically ----
@@ -365,6 +409,11 @@ def test_train_cli_parses_and_validates(tmp_path):
     assert args.num_heads == 3 and args.batch_size == 512
     args = parser.parse_args(["train", "eagle3", "--out", str(tmp_path)])
     assert args.magpie == 20000 and args.unroll == 5 and args.gen_batch == 32  # one command reproduces the head
+    args = parser.parse_args(["train", "distill", "--max-prompts", "40", "--ship"])
+    assert args.magpie == 20000 and args.ship and args.max_prompts == 40 and args.func.__name__ == "cmd_distill"
+    args = parser.parse_args(["train", "distill", "--gen-batch", "0"])
+    with pytest.raises(InputError, match="--gen-batch"):
+        args.func(args)
     args = parser.parse_args(["train", "prompts", "--count", "0"])
     with pytest.raises(InputError, match="--count"):
         args.func(args)

@@ -1,5 +1,6 @@
-"""`specair train {eagle,medusa,draft}`: distil the target on the shipped prompt set (cached, resumable),
-train a draft head or draft model on it, and write it where `--speculative-config` can load it."""
+"""`specair train {eagle,eagle3,medusa,draft}`: distil the target on the shipped prompt set (cached, resumable),
+train a draft head or draft model on it, and write it where `--speculative-config` can load it.
+`specair train prompts` and `specair train distill` make (and ship) the data alone."""
 
 from __future__ import annotations
 
@@ -37,13 +38,17 @@ def _common(p: argparse.ArgumentParser, recipe: str) -> None:
     p.add_argument("--keep-checkpoint", action="store_true", help="keep OUT/checkpoint after training")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    _data_args(p, d.get("magpie", 0))
+
+
+def _data_args(p: argparse.ArgumentParser, magpie: int) -> None:
     g = p.add_argument_group("distillation (cached under $SPECAIR_CACHE/train/<target fingerprint>)")
     g.add_argument("--prompts", help="prompt set JSONL (default: the shipped specair/training/prompts.jsonl)")
     g.add_argument("--max-prompts", type=int, help="use the first N prompts of the set (default: all)")
     g.add_argument("--max-new-tokens", type=int, default=256, help="longest distilled answer")
     g.add_argument("--cache-dir", help="distillation cache directory")
     g.add_argument("--gen-batch", type=int, default=32, help="sequences the engine decodes at once while distilling")
-    g.add_argument("--magpie", type=int, default=DEFAULTS[recipe].get("magpie", 0),
+    g.add_argument("--magpie", type=int, default=magpie,
                    help="add N self-generated prompts (Magpie: the target writes user turns; `specair train "
                         "prompts`, cached) to the prompt set")
     g.add_argument("--magpie-seed", type=int, default=0, help="seed of the self-generated prompt set")
@@ -54,7 +59,8 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     from specair.training import draft, eagle, eagle3, medusa
 
     train = subparsers.add_parser("train", help="train an EAGLE head, Medusa heads or a draft model for a target")
-    recipes = train.add_subparsers(dest="recipe", required=True, metavar="{eagle,eagle3,medusa,draft,prompts}")
+    recipes = train.add_subparsers(dest="recipe", required=True,
+                                   metavar="{eagle,eagle3,medusa,draft,prompts,distill}")
     helps = {"eagle": "EAGLE-1/2 head (fc + one decoder layer) with training-time test",
              "eagle3": "EAGLE-3 head (three target layers fused, own decoder layer and draft-vocabulary LM head), "
                        "training-time test, self-generated prompts",
@@ -66,6 +72,15 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         module.add_arguments(p)
         p.set_defaults(func=cmd_train, recipe=name)
     _prompts_parser(recipes)
+    h = "the distilled set alone: the target's greedy answers and features, cached (and, with --ship, the answers "\
+        "copied into the package, where training starts from them)"
+    p = recipes.add_parser("distill", help=h, description=h)
+    p.add_argument("--target", help="target checkpoint (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--ship", action="store_true",
+                   help="then copy the answers into the package (specair/training/distilled/)")
+    _data_args(p, DEFAULTS["eagle3"]["magpie"])
+    p.set_defaults(func=cmd_distill)
 
 
 def _prompts_parser(recipes: argparse._SubParsersAction) -> None:
@@ -112,13 +127,39 @@ def cmd_prompts(args: argparse.Namespace) -> None:
         print(f"shipped: {magpie.ship(out, args.seed)}", flush=True)
 
 
+def _data_options(args: argparse.Namespace) -> "DataOptions":  # noqa: F821 (imported lazily)
+    from specair.training.setup import DataOptions
+
+    if args.max_new_tokens <= 0 or args.gen_batch <= 0 or args.magpie < 0:
+        raise InputError("--max-new-tokens and --gen-batch must be positive, --magpie not negative")
+    return DataOptions(target=args.target, cache_dir=args.cache_dir, prompts=args.prompts,
+                       max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
+                       magpie=args.magpie, magpie_seed=args.magpie_seed)
+
+
+def cmd_distill(args: argparse.Namespace) -> None:
+    """Build (or resume) the distilled set and print its size and cost; with --ship, ship its answers."""
+    import json
+
+    from specair.training.distill import ship_answers
+    from specair.training.setup import prepare
+
+    setup = prepare(_data_options(args), threads=args.threads)
+    data = setup.data
+    print(f"distilled: {len(data.sequences)} sequences in {data.cache_dir} | " + json.dumps(
+        {**data.summary(), "shipped_answers_taken": data.meta["shipped_answers_taken"],
+         "progress": data.meta["progress"]}), flush=True)
+    if args.ship:
+        print(f"shipped: {ship_answers(data.cache_dir)}", flush=True)
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     """Run one recipe from parsed arguments."""
     from specair.training import draft, eagle, eagle3, medusa
-    from specair.training.setup import DataOptions, prepare
+    from specair.training.setup import prepare
     from specair.training.trainer import format_eval
 
-    for name in ("epochs", "lr", "batch_size", "eval_every", "save_every", "max_new_tokens", "gen_batch"):
+    for name in ("epochs", "lr", "batch_size", "eval_every", "save_every"):
         if getattr(args, name) <= 0:
             raise InputError(f"--{name.replace('_', '-')} must be positive")
     out = Path(args.out)
@@ -129,10 +170,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                       save_every=args.save_every, max_steps=args.max_steps, seed=args.seed)
     module = {"eagle": eagle, "eagle3": eagle3, "medusa": medusa, "draft": draft}[args.recipe]
     settings = module.settings_from_args(args)  # validate recipe options before the (long) distillation
-    setup = prepare(DataOptions(target=args.target, cache_dir=args.cache_dir, prompts=args.prompts,
-                                max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
-                                gen_batch=args.gen_batch, magpie=args.magpie, magpie_seed=args.magpie_seed),
-                    threads=args.threads)
+    setup = prepare(_data_options(args), threads=args.threads)
     recipe = {"eagle": eagle.EagleRecipe, "eagle3": eagle3.Eagle3Recipe, "medusa": medusa.MedusaRecipe,
               "draft": draft.DraftRecipe}[args.recipe]
     final = recipe(setup, settings).fit(cfg, out, resume=args.resume, keep_checkpoint=args.keep_checkpoint)

@@ -14,13 +14,21 @@ Cache layout (default `$SPECAIR_CACHE/train/<target fingerprint[:16]>`):
 
 It resumes: a shard of finished sequences is written atomically, then its index entries and answers, and
 a rerun skips every prompt that has both.
+
+The answers are what costs hours, so they can ship (`ship_answers`, `specair train distill --ship`):
+`distilled/answers-<fingerprint[:16]>.jsonl.gz` in the package holds each prompt's answer token ids. A cache
+that lacks an answer takes the shipped one when its prompt tokens match, and its features are then recorded
+by one teacher-forced pass (prompt and answer prefilled through the same engine, no decoding), so features
+stay data of the machine and never ship.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import time
+import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -36,6 +44,7 @@ from specair.training.prompt_set import load_prompts
 
 CACHE_FORMAT = 2
 SHARD_SEQUENCES = 64  # sequences per hidden-state shard: a crash loses at most this many answers
+SHIPPED = Path(__file__).parent / "distilled"
 
 
 @lru_cache(maxsize=64)
@@ -185,23 +194,83 @@ def read_progress(cache: Path) -> dict:
             "generated_tokens_per_s": round(p["generated_tokens"] / s, 1)}
 
 
-def answer_and_record(records: list[dict], cache: Path, llm: object, max_new_tokens: int) -> None:
+def prompt_crc(ids: list[int]) -> int:
+    """A checksum of prompt token ids: shipped answers carry it, so an answer never meets another prompt."""
+    return zlib.crc32(json.dumps(ids).encode())
+
+
+def ship_answers(cache: Path, dest: Path | None = None) -> Path:
+    """Write a cache's answers (ids, prompt checksums, answer ids) into `dest` as
+    `answers-<fingerprint[:16]>.jsonl.gz`, beside a `.json` with the settings and the distillation's cost
+    (`dest` None: the package's `SHIPPED`)."""
+    cache, dest = Path(cache), Path(dest or SHIPPED)
+    meta = json.loads((cache / "meta.json").read_text(encoding="utf-8"))
+    answers = read_answers(cache)
+    dest.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"id": i, "prompt_crc": prompt_crc(a["prompt_ids"]), "answer_ids": a["answer_ids"],
+                         "finish_reason": a["finish_reason"]}) + "\n" for i, a in sorted(answers.items())]
+    out = dest / f"answers-{meta['fingerprint'][:16]}.jsonl.gz"
+    out.write_bytes(gzip.compress("".join(lines).encode(), compresslevel=9, mtime=0))
+    record = {k: meta[k] for k in ("format", "fingerprint", "max_new_tokens", "target")}
+    out.with_suffix("").with_suffix(".json").write_text(json.dumps(
+        {**record, "answers": len(lines), "progress": read_progress(cache)}, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def shipped_answers(fingerprint: str, max_new_tokens: int, source: Path | None = None) -> dict[int, dict]:
+    """The answers shipped (in `source`, default `SHIPPED`) for this target and answer length, by prompt id
+    (empty when none match)."""
+    f = Path(source or SHIPPED) / f"answers-{fingerprint[:16]}.jsonl.gz"
+    info = f.with_suffix("").with_suffix(".json")
+    if not (f.is_file() and info.is_file()):
+        return {}
+    meta = json.loads(info.read_text(encoding="utf-8"))
+    if (meta.get("format"), meta.get("fingerprint"), meta.get("max_new_tokens")) != (
+            CACHE_FORMAT, fingerprint, max_new_tokens):
+        return {}
+    return {(r := json.loads(line))["id"]: r for line in gzip.decompress(f.read_bytes()).splitlines()}
+
+
+def _take_shipped(records: list[dict], answers: dict[int, dict], shipped: dict[int, dict], tokenizer,
+                  cache: Path) -> int:
+    """Append the shipped answers of records without a cached one (prompt tokens checked) to the cache."""
+    new = []
+    for r in records:
+        got = shipped.get(r["id"])
+        if got is None or r["id"] in answers:
+            continue
+        ids = tokenizer.encode_chat(r["messages"])
+        if prompt_crc(ids) != got["prompt_crc"]:
+            continue  # made for another prompt (the set or the template changed): answer it again
+        new.append({"id": r["id"], "split": r["split"], "category": r["category"], "prompt_ids": ids,
+                    "answer_ids": got["answer_ids"], "finish_reason": got["finish_reason"]})
+    with open(cache / "answers.jsonl", "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(a) + "\n" for a in new)
+    answers.update({a["id"]: a for a in new})
+    return len(new)
+
+
+def answer_and_record(records: list[dict], cache: Path, llm: object, max_new_tokens: int,
+                      answers: dict[int, dict] | None = None) -> None:
     """Let the target answer every record (greedy) through `llm`'s engine, recording its features at
-    every position as the graphs compute them; writes shards of finished sequences as they complete."""
+    every position as the graphs compute them; writes shards of finished sequences as they complete.
+    A record with an answer in `answers` is teacher-forced instead: prompt and answer go through the
+    engine's prefill (one token generated, then dropped), which records the same features without decoding."""
     from safetensors.torch import save_file
 
     from specair.runtime.params import SamplingParams
 
-    engine = llm.engine
+    engine, answers = llm.engine, answers or {}
     hdir = cache / "hidden"
     hdir.mkdir(parents=True, exist_ok=True)
     index = _read_index(cache)
     shard_no = 1 + max((int(Path(n).stem.split("-")[1]) for n in set(index.values())), default=-1)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+    forced = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows: dict[str, list[Tensor]] = {}
     engine.hidden_observer = lambda rid, h: rows[rid].append(h.to(torch.float16, copy=True))
-    pending: dict[str, tuple[dict, list[int]]] = {}
-    finished: list[tuple[dict, Tensor]] = []
+    pending: dict[str, tuple[dict, list[int], dict | None]] = {}
+    finished: list[tuple[dict, Tensor, bool]] = []
     queue = list(records)
     t0, tokens = time.perf_counter(), 0
     bar = tqdm(total=len(records), desc="distill", unit="prompt", leave=False)
@@ -212,13 +281,13 @@ def answer_and_record(records: list[dict], cache: Path, llm: object, max_new_tok
             return
         name = f"shard-{shard_no:05d}.safetensors"
         tmp = hdir / f".{name}.tmp"
-        save_file({f"h.{a['id']}": h.contiguous() for a, h in finished}, str(tmp))
+        save_file({f"h.{a['id']}": h.contiguous() for a, h, _ in finished}, str(tmp))
         os.replace(tmp, hdir / name)
-        index.update({str(a["id"]): name for a, _ in finished})
+        index.update({str(a["id"]): name for a, _, _ in finished})
         _atomic_write_text(hdir / "index.json", json.dumps(index) + "\n")
         with open(cache / "answers.jsonl", "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(a) + "\n" for a, _ in finished)
-        _append_progress(cache, len(finished), tokens, time.perf_counter() - t0)
+            f.writelines(json.dumps(a) + "\n" for a, _, new in finished if new)
+        _append_progress(cache, sum(new for _, _, new in finished), tokens, time.perf_counter() - t0)
         t0, tokens, shard_no, finished = time.perf_counter(), 0, shard_no + 1, []
 
     try:
@@ -226,21 +295,26 @@ def answer_and_record(records: list[dict], cache: Path, llm: object, max_new_tok
             while queue and engine.num_waiting < engine.max_waiting:
                 rec = queue.pop(0)
                 ids = llm.encode_chat(rec["messages"])
-                rid = engine.add_request(ids, params)
-                rows[rid], pending[rid] = [], (rec, ids)
+                known = answers.get(rec["id"])
+                if known is None:
+                    rid = engine.add_request(ids, params)
+                else:  # the last answer token is never fed: its features are not needed
+                    rid = engine.add_request(ids + known["answer_ids"][:-1], forced)
+                rows[rid], pending[rid] = [], (rec, ids, known)
             for ev in engine.step():
                 if ev.result is None:
                     continue
-                rec, ids = pending.pop(ev.request_id)
-                answer = list(ev.result.token_ids)
+                rec, ids, known = pending.pop(ev.request_id)
+                answer = list(ev.result.token_ids) if known is None else known["answer_ids"]
                 h = torch.cat(rows.pop(ev.request_id))[:len(ids) + len(answer) - 1]
                 if h.shape[0] != len(ids) + len(answer) - 1:
                     raise RuntimeError(f"prompt {rec['id']}: recorded {h.shape[0]} positions for "
                                        f"{len(ids) + len(answer)} tokens")
                 finished.append(({"id": rec["id"], "split": rec["split"], "category": rec["category"],
                                   "prompt_ids": ids, "answer_ids": answer,
-                                  "finish_reason": ev.result.finish_reason}, h))
-                tokens += len(answer)
+                                  "finish_reason": ev.result.finish_reason if known is None
+                                  else known["finish_reason"]}, h, known is None))
+                tokens += len(answer) if known is None else 0
                 bar.update(1)
                 if len(finished) >= SHARD_SEQUENCES:
                     flush()
@@ -274,36 +348,6 @@ def target_hidden(model: Transformer, tokens: Tensor) -> Tensor:
     out = model(tokens.view(1, L), torch.arange(L).view(1, L), torch.zeros(1, dtype=torch.long), k, v,
                 logits_index=torch.zeros(1, 1, dtype=torch.long))  # one logits row: the LM head is not needed
     return out.hidden[0]
-
-
-def cache_hidden(answers: list[dict], cache: Path, model: Transformer) -> None:
-    """Run the target over every answered sequence not yet cached and write float16 hidden-state shards."""
-    from safetensors.torch import save_file
-
-    hdir = cache / "hidden"
-    hdir.mkdir(parents=True, exist_ok=True)
-    index = _read_index(cache)
-    todo = [a for a in answers if str(a["id"]) not in index]
-    if not todo:
-        return
-    shard_no = 1 + max((int(Path(n).stem.split("-")[1]) for n in set(index.values())), default=-1)
-    total_tokens = sum(len(a["prompt_ids"]) + len(a["answer_ids"]) for a in todo)
-    bar = tqdm(total=total_tokens, desc="hidden states", unit="tok", leave=False)
-    for start in range(0, len(todo), SHARD_SEQUENCES):
-        part = todo[start:start + SHARD_SEQUENCES]
-        tensors = {}
-        for a in part:
-            tokens = torch.tensor(a["prompt_ids"] + a["answer_ids"], dtype=torch.long)
-            tensors[f"h.{a['id']}"] = target_hidden(model, tokens).to(torch.float16).contiguous()
-            bar.update(tokens.numel())
-        name = f"shard-{shard_no:05d}.safetensors"
-        tmp = hdir / f".{name}.tmp"
-        save_file(tensors, str(tmp))
-        os.replace(tmp, hdir / name)
-        index.update({str(a["id"]): name for a in part})
-        _atomic_write_text(hdir / "index.json", json.dumps(index) + "\n")
-        shard_no += 1
-    bar.close()
 
 
 def distill(model: Transformer, fingerprint: str, target_path: str | None, *, cache: Path | None = None,
@@ -342,18 +386,22 @@ def distill(model: Transformer, fingerprint: str, target_path: str | None, *, ca
                        max_context=min(model.config.max_position_embeddings, longest + max_new_tokens + 1),
                        features=layers)
     done_answers, index = read_answers(cache), _read_index(cache)
+    taken = 0
     if tokenizer is not None:
         _check_prompts(records, done_answers, tokenizer, cache)
+        taken = _take_shipped(records, done_answers, shipped_answers(fingerprint, max_new_tokens), tokenizer, cache)
     todo = [r for r in records if r["id"] not in done_answers or str(r["id"]) not in index]
     if todo:
-        print(f"distill: {len(records) - len(todo)} of {len(records)} prompts cached in {cache}; answering "
-              f"{len(todo)}", flush=True)
-        answer_and_record(todo, cache, make_llm(), max_new_tokens)
+        forced = sum(r["id"] in done_answers for r in todo)
+        print(f"distill: {len(records) - len(todo)} of {len(records)} prompts cached in {cache} ({taken} answers "
+              f"taken from the shipped set); answering {len(todo) - forced}, teacher-forcing {forced}", flush=True)
+        answer_and_record(todo, cache, make_llm(), max_new_tokens, done_answers)
     data = load_distilled(cache, [r["id"] for r in records])
     labels = {r["id"]: (r["split"], r["category"]) for r in records}
     for seq in data.sequences:
         seq.split, seq.category = labels[seq.id]
     data.meta["distill_seconds_this_run"] = round(time.perf_counter() - t0, 1)
+    data.meta["shipped_answers_taken"] = taken
     data.meta["progress"] = read_progress(cache)
     return data
 
