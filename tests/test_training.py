@@ -363,6 +363,27 @@ def test_resume_continues_from_the_saved_step_exactly(setup, tmp_path):
     assert not (tmp_path / "b" / "checkpoint").exists()
 
 
+def test_bf16_training_lowers_the_loss_with_fp32_weights(setup, tmp_path):
+    """--precision bf16: the forward runs under autocast, the weights and the optimizer stay float32."""
+    from specair.training.eagle3 import Eagle3Recipe, Eagle3Settings
+
+    torch.manual_seed(0)
+    recipe = Eagle3Recipe(setup, Eagle3Settings(draft_vocab=2048, unroll=3, eval_depth=2))
+    cfg = TrainConfig(max_steps=12, batch_size=4, save_every=100, eval_every=100, lr=3e-3, warmup_steps=1,
+                      precision="bf16")
+    batch = recipe.collate(setup.train[:4])
+    with torch.no_grad():
+        before = float(recipe.losses(batch, 3, 0.0)[0])
+    recipe.fit(cfg, tmp_path / "h", resume=False)
+    with torch.no_grad():
+        after = float(recipe.losses(batch, 3, 0.0)[0])
+    assert after < 0.8 * before
+    assert all(p.dtype == torch.float32 for p in recipe.params.values())
+    assert json.loads((tmp_path / "h" / "training.json").read_text())["settings"]["precision"] == "bf16"
+    with pytest.raises(InputError, match="precision"):
+        recipe.fit(TrainConfig(max_steps=1, precision="fp8"), tmp_path / "x", resume=False)
+
+
 # ---- pieces ----
 
 def test_acceptance_counter_and_ranks():

@@ -37,6 +37,9 @@ def _common(p: argparse.ArgumentParser, recipe: str) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoint")
     p.add_argument("--keep-checkpoint", action="store_true", help="keep OUT/checkpoint after training")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: the training forward under autocast (fp32 weights and optimizer); about twice as "
+                        "fast on CPUs with AVX-512 BF16 or AMX")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     _data_args(p, d.get("magpie", 0))
 
@@ -167,7 +170,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise InputError(f"--out {out} is a file, not a directory")
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
                       batch_size=args.batch_size, grad_clip=args.grad_clip, eval_every=args.eval_every,
-                      save_every=args.save_every, max_steps=args.max_steps, seed=args.seed)
+                      save_every=args.save_every, max_steps=args.max_steps, seed=args.seed,
+                      precision=args.precision)
     module = {"eagle": eagle, "eagle3": eagle3, "medusa": medusa, "draft": draft}[args.recipe]
     settings = module.settings_from_args(args)  # validate recipe options before the (long) distillation
     setup = prepare(_data_options(args), threads=args.threads)

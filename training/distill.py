@@ -80,7 +80,9 @@ class DistilledSequence:
             raise InputError(f"sequence {self.id}: no hidden states were loaded")
         rows = _shard(str(self.shard)).get_tensor(f"h.{self.id}")
         # Position L-1 is never fed to the target; a zero row keeps every position indexable.
-        return torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+        block = rows.new_zeros(rows.shape[0] + 1, rows.shape[1])
+        block[:-1] = rows
+        return block
 
     @property
     def hidden(self) -> Tensor:

@@ -27,6 +27,7 @@ from torch import Tensor
 from specair.models.eagle import EagleHead, load_eagle, save_eagle
 from specair.models.eagle3 import Eagle3Head
 from specair.models.errors import InputError
+from specair.models.llama import AttentionInputs, apply_rope, use_attention
 from specair.training.acceptance import AcceptanceCounter, chain_starts, true_token_rank
 from specair.training.data import Batch, collate, length_grouped_batches
 from specair.training.setup import TrainingSetup, cast_safetensors, write_training_json
@@ -55,6 +56,25 @@ def _diagonal(n: int, dtype: torch.dtype) -> Tensor:
     return torch.where(torch.eye(n, dtype=torch.bool), 0.0, torch.finfo(dtype).min).to(dtype)
 
 
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_past: Tensor, v_past: Tensor,
+                    mask: Tensor, k_prev: Tensor | None, v_prev: Tensor | None, scale: float,
+                    heads: tuple[int, int], inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
+    """`rope_attend`'s result through torch's fused attention, forward and backward: an unrolled chain's
+    step s attends to N * s keys, and the unfused scores [B, H, N, N * s] would dominate a training step.
+    Training only; the graphs keep `attend`."""
+    B, T, _ = q.shape
+    H, Hkv = heads
+    D = q.shape[-1] // H
+    q = apply_rope(q.view(B, T, H, D), cos, sin).transpose(1, 2)
+    k = apply_rope(k.view(B, T, Hkv, D), cos, sin)
+    new_k, new_v = k.transpose(1, 2), v.view(B, T, Hkv, D).transpose(1, 2)
+    keys = torch.cat([k_past] + ([k_prev] if k_prev is not None else []) + [new_k], dim=2)
+    values = torch.cat([v_past] + ([v_prev] if v_prev is not None else []) + [new_v], dim=2)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.view(mask.shape[0], 1, T, -1),
+                                         scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(B, T, H * D), k
+
+
 def unroll_features(head: EagleHead | Eagle3Head, tokens: Tensor, hidden: Tensor, steps: int,
                     noise: float = 0.0) -> list[Tensor]:
     """The head's features along chains started at every position, for depths 1..steps.
@@ -78,20 +98,24 @@ def unroll_features(head: EagleHead | Eagle3Head, tokens: Tensor, hidden: Tensor
     causal, diag = _causal(N, dtype), _diagonal(N, dtype)
     feats: list[Tensor] = []
     k1 = v1 = prev_k = prev_v = None
-    for s in range(1, steps + 1):
-        tok = tokens[:, (p + s).clamp(max=T - 1)]
-        x = head.layer_inputs(tok, h_in if s == 1 else feats[-1])
-        pos = (p + s - 1).clamp(max=max_pos)
-        cos, sin = head.rope_cos[pos].view(1, N, 1, -1), head.rope_sin[pos].view(1, N, 1, -1)
-        if s == 1:
-            out, k1, v1 = layer(*x, cos, sin, empty, empty, causal.view(1, 1, 1, N, N), None, None)
-        else:
-            # Keys: step 1's true entries (j <= p), then this chain's own entries of steps 2..s.
-            mask = torch.cat([causal] + [diag] * (s - 1), dim=-1).view(1, 1, 1, N, N * s)
-            out, k, v = layer(*x, cos, sin, k1, v1, mask, prev_k, prev_v)
-            prev_k = k if prev_k is None else torch.cat([prev_k, k], dim=2)
-            prev_v = v if prev_v is None else torch.cat([prev_v, v], dim=2)
-        feats.append(out)
+    # The fused kernel reads only the tensors and the mask; these inputs say what the keys are.
+    inputs = AttentionInputs(torch.zeros(B, dtype=torch.long), None, None, p.expand(B, N),
+                             (head.rope_cos, head.rope_sin))
+    with use_attention(fused_attention):
+        for s in range(1, steps + 1):
+            tok = tokens[:, (p + s).clamp(max=T - 1)]
+            x = head.layer_inputs(tok, h_in if s == 1 else feats[-1])
+            pos = (p + s - 1).clamp(max=max_pos)
+            cos, sin = head.rope_cos[pos].view(1, N, 1, -1), head.rope_sin[pos].view(1, N, 1, -1)
+            if s == 1:
+                out, k1, v1 = layer(*x, cos, sin, empty, empty, causal.view(1, 1, 1, N, N), None, None, inputs)
+            else:
+                # Keys: step 1's true entries (j <= p), then this chain's own entries of steps 2..s.
+                mask = torch.cat([causal] + [diag] * (s - 1), dim=-1).view(1, 1, 1, N, N * s)
+                out, k, v = layer(*x, cos, sin, k1, v1, mask, prev_k, prev_v, inputs)
+                prev_k = k if prev_k is None else torch.cat([prev_k, k], dim=2)
+                prev_v = v if prev_v is None else torch.cat([prev_v, v], dim=2)
+            feats.append(out)
     return feats
 
 
@@ -180,8 +204,9 @@ class EagleRecipe:
             valid = answer[:, nxt.clamp(max=T - 1)] & (nxt <= T - 1)
             if not valid.any():
                 continue
-            h_t = batch.hidden[:, (p + step).clamp(max=T - 1)][valid]  # [n, H]
-            f_v = f[valid]
+            rows, cols = valid.nonzero(as_tuple=True)
+            h_t = batch.hidden[rows, cols + step]  # [n, H]
+            f_v = f[rows, cols]
             vloss = F.smooth_l1_loss(f_v, h_t, reduction="none").mean(-1)
             logp = head.logits(f_v, reduced=True).float().log_softmax(-1)
             with torch.no_grad():

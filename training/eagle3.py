@@ -97,27 +97,30 @@ class Eagle3Recipe(EagleRecipe):
         total = batch.hidden.new_zeros(())
         metrics: dict[str, float] = {}
         weight_sum = 0.0
+        with torch.no_grad():  # every step reads the same target distributions, shifted
+            target_all = (batch.hidden @ self.target_rows.t()).float().log_softmax(-1)
         for step, f in enumerate(feats, 1):
             nxt = p + step + 1  # the token this step's logits predict, from the target's state at nxt - 1
             valid = answer[:, nxt.clamp(max=T - 1)] & (nxt <= T - 1)
             if not valid.any():
                 continue
             with torch.no_grad():
-                target_logits = batch.hidden[:, (p + step).clamp(max=T - 1)][valid] @ self.target_rows.t()
+                rows, cols = valid.nonzero(as_tuple=True)  # index pairs: never a [B, N, V] gather
                 # The greedy next token (the target's argmax) must be a draft token, or no draft logit can match it.
-                true_tok = self._targets(batch.tokens[:, nxt.clamp(max=T - 1)][valid])
+                true_tok = self._targets(batch.tokens[rows, cols + step + 1])
                 keep = true_tok >= 0
-            if not keep.any():
+                rows, cols, true_tok = rows[keep], cols[keep], true_tok[keep]
+            if not rows.numel():
                 continue
-            logp = head.logits(f[valid][keep], reduced=True).float().log_softmax(-1)
-            target_logp = target_logits[keep].float().log_softmax(-1)
+            logp = head.logits(f[rows, cols], reduced=True).float().log_softmax(-1)
+            target_logp = target_all[rows, cols + step]
             # KL(target || draft): the cross-entropy's gradient, with the target's entropy taken off its value
             loss = (target_logp.exp() * (target_logp - logp)).sum(-1).mean()
             w = s.step_decay ** (step - 1)
             total = total + w * loss
             weight_sum += w
             metrics[f"kl{step}"] = float(loss.detach())
-            metrics[f"acc{step}"] = float((logp.detach().argmax(-1) == true_tok[keep]).float().mean())
+            metrics[f"acc{step}"] = float((logp.detach().argmax(-1) == true_tok).float().mean())
         return total / max(weight_sum, 1e-9), metrics
 
     def export(self, out: Path) -> None:

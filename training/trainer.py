@@ -40,6 +40,7 @@ class TrainConfig:
     save_every: int = 200
     max_steps: int | None = None
     seed: int = 0
+    precision: str = "fp32"  # "bf16": the training forward under CPU/CUDA autocast (weights and optimizer stay fp32)
 
 
 def cosine_lr(step: int, total: int, warmup: int, base: float, floor: float = 0.02) -> float:
@@ -57,6 +58,9 @@ class Trainer:
                  steps_per_epoch: int, desc: str = "train") -> None:
         if steps_per_epoch < 1:
             raise InputError("no training batches: the distilled training split is empty")
+        if cfg.precision not in ("fp32", "bf16"):
+            raise InputError(f"unknown training precision {cfg.precision!r} (fp32, bf16)")
+        self.device_type = next(iter(params.values())).device.type if params else "cpu"
         self.params, self.cfg, self.dir, self.desc = params, cfg, Path(checkpoint_dir), desc
         self.steps_per_epoch = steps_per_epoch
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
@@ -147,7 +151,8 @@ class Trainer:
                 for group in self.opt.param_groups:
                     group["lr"] = lr
                 torch.manual_seed(cfg.seed * 1_000_003 + self.step)
-                out = train_step(spec, self.step)
+                with torch.autocast(self.device_type, torch.bfloat16, enabled=cfg.precision == "bf16"):
+                    out = train_step(spec, self.step)
                 self.opt.zero_grad(set_to_none=True)
                 out["loss"].backward()
                 if cfg.grad_clip > 0:
