@@ -55,6 +55,8 @@ def _data_args(p: argparse.ArgumentParser, magpie: int) -> None:
                    help="add N self-generated prompts (Magpie: the target writes user turns; `specair train "
                         "prompts`, cached) to the prompt set")
     g.add_argument("--magpie-seed", type=int, default=0, help="seed of the self-generated prompt set")
+    g.add_argument("--eval-sequences", type=int, default=512,
+                   help="held-out sequences the evaluations read (the first N; 0 = all)")
 
 
 def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -133,11 +135,12 @@ def cmd_prompts(args: argparse.Namespace) -> None:
 def _data_options(args: argparse.Namespace) -> "DataOptions":  # noqa: F821 (imported lazily)
     from specair.training.setup import DataOptions
 
-    if args.max_new_tokens <= 0 or args.gen_batch <= 0 or args.magpie < 0:
-        raise InputError("--max-new-tokens and --gen-batch must be positive, --magpie not negative")
+    if args.max_new_tokens <= 0 or args.gen_batch <= 0 or args.magpie < 0 or args.eval_sequences < 0:
+        raise InputError("--max-new-tokens and --gen-batch must be positive, --magpie and --eval-sequences not "
+                         "negative")
     return DataOptions(target=args.target, cache_dir=args.cache_dir, prompts=args.prompts,
                        max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
-                       magpie=args.magpie, magpie_seed=args.magpie_seed)
+                       magpie=args.magpie, magpie_seed=args.magpie_seed, eval_sequences=args.eval_sequences)
 
 
 def cmd_distill(args: argparse.Namespace) -> None:

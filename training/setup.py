@@ -34,6 +34,7 @@ class DataOptions:
     gen_batch: int = 16
     magpie: int = 0  # self-generated prompts added to the set (training.magpie), 0 = none
     magpie_seed: int = 0
+    eval_sequences: int = 512  # held-out sequences the evaluations read (the first ones; 0 = all)
 
 
 @dataclass
@@ -53,7 +54,9 @@ class TrainingSetup:
 
     @property
     def heldout(self) -> list[DistilledSequence]:
-        return self.data.split("heldout")
+        """The held-out sequences evaluations read: the first `options.eval_sequences` (all for 0)."""
+        held = self.data.split("heldout")
+        return held[:self.options.eval_sequences] if self.options.eval_sequences else held
 
     def draft_vocab(self, size: int) -> Tensor | None:
         """The `size` most frequent answer tokens of the training split (None for 0 or >= the vocabulary)."""
@@ -144,6 +147,7 @@ def write_training_json(out: Path, recipe: str, setup: TrainingSetup, settings: 
         "target_fingerprint": setup.fingerprint,
         "data": {"prompt_set": opts.prompts or "specair/training/prompts.jsonl", "max_prompts": opts.max_prompts,
                  "magpie_prompts": opts.magpie, "max_new_tokens": opts.max_new_tokens,
+                 "eval_sequences": len(setup.heldout),
                  "decoding": "greedy, the target's chat template, through --backend auto",
                  **setup.data.summary(), "magpie": setup.data.meta.get("magpie"),
                  "distillation": setup.data.meta.get("progress")},
