@@ -246,9 +246,10 @@ def _take_shipped(records: list[dict], answers: dict[int, dict], shipped: dict[i
             continue  # made for another prompt (the set or the template changed): answer it again
         new.append({"id": r["id"], "split": r["split"], "category": r["category"], "prompt_ids": ids,
                     "answer_ids": got["answer_ids"], "finish_reason": got["finish_reason"]})
-    with open(cache / "answers.jsonl", "a", encoding="utf-8") as f:
-        f.writelines(json.dumps(a) + "\n" for a in new)
-    answers.update({a["id"]: a for a in new})
+    if new:
+        with open(cache / "answers.jsonl", "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(a) + "\n" for a in new)
+        answers.update({a["id"]: a for a in new})
     return len(new)
 
 
