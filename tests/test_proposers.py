@@ -71,6 +71,7 @@ def default_ar(default_hf_dir):
 
 @pytest.mark.parametrize("spec", [
     {"method": "eagle"},  # the shipped head and its shipped tree
+    {"method": "eagle3"},
     {"method": "medusa"},
     {"method": "ngram", "num_speculative_tokens": 4},
 ], ids=lambda s: s["method"])  # layer skip on the default model: tests/test_speculative.py's exact float64 cases cover it
