@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from specair.compile.graph_def import GraphDef, GraphKey, GraphModule
 from specair.compile.plan import Plan
+from specair.compile.spec_config import TreeShape
 from specair.graphs.steps import decode_step, prefill_chunk
 from specair.graphs.verify import leaf_paths, verify_and_accept
 from specair.models.llama import Transformer
@@ -45,8 +46,7 @@ class GraphSpec(NamedTuple):
 class ProposerGraphs(Protocol):
     """What the catalogue needs of a proposer (runtime/proposers implements it)."""
 
-    proposal_probs: bool  # its proposals carry the draft distribution (sampled chains)
-    dynamic_tree: bool  # its trees differ per row (it returns parents)
+    def proposal_probs(self, tree: TreeShape) -> bool: ...  # proposals of that shape carry the draft distribution
 
     def graph_keys(self, plan: Plan) -> list[GraphKey]: ...
 
@@ -75,9 +75,10 @@ class Catalog:
         """The variant of a graph that samples but has no greedy form: greedy rows run on the plain one."""
         return "filtered" if variant == "filtered" else "plain"
 
-    def verify_key(self, batch: int, ctx: int, variant: str) -> GraphKey:
+    def verify_key(self, batch: int, ctx: int, variant: str, shape: int = 0) -> GraphKey:
         method = self.acceptance(variant == "greedy")
-        return GraphKey("verify", batch, ctx, method, "" if method == "greedy" else self.sampled(variant))
+        return GraphKey("verify", batch, ctx, method, "" if method == "greedy" else self.sampled(variant),
+                        shape=shape)
 
     def keys(self) -> list[GraphKey]:
         """Every graph of the plan, in compile order; none that the runtime never dispatches."""
@@ -88,7 +89,7 @@ class Catalog:
             for c in p.ctx_buckets:
                 out += [GraphKey("decode", b, c, variant=v) for v in p.variants]
                 if p.speculative:
-                    out += [self.verify_key(b, c, v) for v in p.variants]
+                    out += [self.verify_key(b, c, v, i) for v in p.variants for i in p.shapes(v)]
         if self.proposer is not None:
             out += self.proposer.graph_keys(p)
         return list(dict.fromkeys(out))
@@ -160,12 +161,12 @@ class Catalog:
                          ["next_tokens", "logits", "hidden", "new_k", "new_v"])
 
     def _verify(self, key: GraphKey) -> GraphSpec:
-        spec, tree = self.plan.speculative, self.plan.tree
+        spec, tree = self.plan.speculative, self.plan.trees[key.shape]
         B, T, D, V = key.batch, tree.num_nodes, tree.depth, self.target.config.vocab_size
         inputs = {"tree_tokens": self.zeros(B, T), "root_pos": self.zeros(B), **self.caches(self.target, B)}
         static: dict[str, Any] = {"ctx": key.ctx, "acceptance": key.method, "max_depth": D,
                                   "max_width": tree.max_width, "filtered": key.variant == "filtered"}
-        if self.proposer.dynamic_tree:
+        if tree.dynamic:
             # A K-ary heap: a valid tree of T nodes within the tree's depth and width.
             heap = (torch.arange(T, dtype=L, device=self.device) - 1).div(tree.max_width, rounding_mode="floor")
             inputs["parents"] = heap.expand(B, -1).contiguous()
@@ -176,7 +177,7 @@ class Catalog:
             if spec.scorer == "batch_expansion":
                 static["expansion"] = self.on_device(leaf_paths(buf.paths, buf.children))
         if key.method == "rejection":
-            if self.proposer.proposal_probs:
+            if self.proposer.proposal_probs(tree):
                 inputs["draft_probs"] = self.zeros(B, T, V, dtype=self.target.dtype)
             inputs["uniforms"] = self.uniforms(B, T + 1)
         if key.method != "greedy":

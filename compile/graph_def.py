@@ -17,7 +17,8 @@ class GraphKey:
     `kind` names the computation ("prefill", "decode", "verify", or a proposer's own kinds); `batch` and
     `ctx` are the batch and context buckets (ctx 0: the graph reads no cache); `method` the acceptance
     method of a verify graph; `variant` the sampling variant; `chunk` the tokens per row of a prefill graph
-    smaller than the plan's prefill chunk (0: the plan's, see Plan.chunk_key).
+    smaller than the plan's prefill chunk (0: the plan's, see Plan.chunk_key); `shape` the speculative shape
+    of a draft or verify graph (an index into Plan.trees; 0: the main one).
     """
 
     kind: str
@@ -26,12 +27,14 @@ class GraphKey:
     method: str = ""
     variant: str = ""
     chunk: int = 0
+    shape: int = 0
 
     @property
     def name(self) -> str:
-        """Unique and filesystem-safe, e.g. `verify.b1.c128.rejection.filtered`, `prefill.b1.c2048.t32`."""
+        """Unique and filesystem-safe, e.g. `verify.b1.c128.rejection.filtered`, `prefill.b1.c2048.t32`,
+        `verify.b1.c128.s1.greedy`."""
         parts = ([self.kind, f"b{self.batch}"] + ([f"c{self.ctx}"] if self.ctx else [])
-                 + ([f"t{self.chunk}"] if self.chunk else []))
+                 + ([f"t{self.chunk}"] if self.chunk else []) + ([f"s{self.shape}"] if self.shape else []))
         return ".".join(parts + [p for p in (self.method, self.variant) if p])
 
     def __str__(self) -> str:

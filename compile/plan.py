@@ -30,7 +30,7 @@ class Plan:
     # Smaller prefill chunks compiled beside prefill_chunk: a prompt's last chunk runs on the smallest one
     # that holds it, so a short prompt computes little padding.
     prefill_chunks: tuple[int, ...] = ()
-    tree: TreeShape | None = field(default=None, compare=False, repr=False)
+    trees: tuple[TreeShape, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_context < 2:
@@ -47,7 +47,24 @@ class Plan:
                              f"{self.prefill_chunk} and {self.prefill_chunks}")
         object.__setattr__(self, "prefill_chunks", tuple(sorted(set(self.prefill_chunks) - {self.prefill_chunk})))
         if self.speculative is not None:
-            object.__setattr__(self, "tree", tree_shape(self.speculative))
+            object.__setattr__(self, "trees", tuple(tree_shape(c) for c in self.speculative.shape_configs()))
+
+    @property
+    def tree(self) -> TreeShape | None:
+        """The main speculative shape (the one sampled steps run), None without speculation."""
+        return self.trees[0] if self.trees else None
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest speculative shape's draft tokens (0 without speculation)."""
+        return max((t.depth for t in self.trees), default=0)
+
+    def shapes(self, variant: str) -> range:
+        """The speculative shapes (indices into `trees`) a step of that compiled variant may run: all of them
+        for greedy steps of an adaptive plan, else the main one (a sampled step's random draws depend on its
+        shape, and a seeded request must not depend on timing)."""
+        spec = self.speculative
+        return range(len(self.trees) if spec is not None and spec.adaptive and variant == "greedy" else 1)
 
     @property
     def ctx_buckets(self) -> tuple[int, ...]:
@@ -78,7 +95,7 @@ class Plan:
     @property
     def spare_slots(self) -> int:
         """Cache slots past the context: a padded prefill chunk, and commits up to D past the root."""
-        return max(self.prefill_chunk, (self.tree.depth + 1) if self.tree else 1)
+        return max(self.prefill_chunk, self.max_depth + 1)
 
     @property
     def slots(self) -> int:
@@ -108,7 +125,7 @@ class Plan:
                          f"recompile with --variants including it")
 
     def to_json(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tree"}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "trees"}
         d["speculative"] = dataclasses.asdict(self.speculative) if self.speculative else None
         d["batch_buckets"], d["variants"] = list(self.batch_buckets), list(self.variants)
         d["prefill_chunks"] = list(self.prefill_chunks)

@@ -5,6 +5,7 @@ owns the list of method names."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,10 @@ class SpeculativeConfig:
     posterior_alpha: float = 0.3
     scorer: str = "tree"
     disable_by_batch_size: int | None = None  # plain decode steps while more sequences than this are running
-    adaptive: bool = False  # greedy steps: speculate or decode plainly, whichever recently emitted more tokens/s
+    adaptive: bool = False  # greedy steps: plain decoding or one of the shapes, whichever recently emitted more tokens/s
+    # Further speculative shapes compiled beside the main one, each {"num_speculative_tokens", "tree"}, for
+    # `adaptive` to choose among; the main shape stays the one sampled steps run.
+    shapes: Any = ()
     prompt_lookup_min: int | None = None  # prompt lookup: shortest suffix to match
     prompt_lookup_max: int | None = None  # prompt lookup: longest suffix to match
 
@@ -72,9 +76,26 @@ class SpeculativeConfig:
         for key in ("posterior_threshold", "posterior_alpha"):
             if key in spec and not (isinstance(spec[key], (int, float)) and spec[key] > 0):
                 raise InputError(f"'{key}' must be a positive number")
-        config = cls(**spec)
-        tree_shape(config)  # validate the tree now, not at the first step
+        shapes = spec.get("shapes", ())
+        if not isinstance(shapes, (list, tuple)) or not all(isinstance(x, dict) for x in shapes):
+            raise InputError("'shapes' must be a list of objects with 'num_speculative_tokens' and/or 'tree'")
+        if shapes and not spec.get("adaptive"):
+            raise InputError("'shapes' gives the adaptive choice more shapes: it needs \"adaptive\": true")
+        for x in shapes:
+            if not x or set(x) - {"num_speculative_tokens", "tree"}:
+                raise InputError(f"each of 'shapes' sets 'num_speculative_tokens' and/or 'tree' only, got {x}")
+        config = cls(**{**spec, "shapes": tuple(dict(x) for x in shapes)})
+        configs = config.shape_configs()
+        for c in configs[1:]:
+            cls.parse(dataclasses.asdict(c))  # each shape passes the main config's checks
+        trees = [tree_shape(c) for c in configs]  # validate the trees now, not at the first step
+        if len(set(map(repr, trees))) != len(trees):
+            raise InputError("'shapes' repeats a shape")
         return config
+
+    def shape_configs(self) -> list["SpeculativeConfig"]:
+        """The main config, then one per entry of `shapes` (the main one with that lookahead and tree)."""
+        return [self] + [dataclasses.replace(self, shapes=(), adaptive=False, **x) for x in self.shapes]
 
 
 @dataclass(frozen=True)
@@ -87,6 +108,11 @@ class TreeShape:
     max_width: int  # W: most children of one node
     template: TreeTemplate | None = None
     topk: int = 0  # K candidates per expansion ("topk" trees)
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether trees of this shape differ per row (the proposer returns their parents)."""
+        return self.kind == "topk"
 
 
 def tree_shape(config: SpeculativeConfig) -> TreeShape:

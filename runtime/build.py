@@ -130,6 +130,9 @@ def _log_spec(plan: Plan, backend: str) -> None:
         s = plan.speculative
         log(f"speculating with {s.method} (k={s.num_speculative_tokens}, tree={s.tree or 'chain'}, "
             f"acceptance={s.acceptance}, backend={backend})")
+        if s.adaptive:
+            arms = "; ".join(f"k={c.num_speculative_tokens} tree={c.tree or 'chain'}" for c in s.shape_configs())
+            log(f"adaptive: each greedy step runs plain decoding or one of [{arms}], by measured tokens/s")
 
 
 PREFILL_CHUNK_MIN = 16

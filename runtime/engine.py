@@ -39,9 +39,8 @@ class Engine:
         self.target, self.tokenizer, self.proposer, self.graphs = target, tokenizer, proposer, graphs
         self.plan, self.catalog = graphs.plan, graphs.catalog
         self.max_context, self.model_name = self.plan.max_context, model_name
-        self.depth = self.plan.tree.depth if self.plan.tree else 0
         self.device = graphs.device
-        self.sched = Scheduler(self.plan, target.config.vocab_size, tokenizer, target.dtype, max_waiting, self.depth)
+        self.sched = Scheduler(self.plan, target.config.vocab_size, tokenizer, target.dtype, max_waiting)
         self.num_slots, self.max_waiting = self.sched.num_slots, max_waiting
         self.output = Output(frozenset(set(target.config.eos_token_ids)
                                        | set(getattr(tokenizer, "eos_token_ids", ()) or ())))
@@ -58,7 +57,9 @@ class Engine:
         # positions, in order, as the graphs produce them (distillation records them; None: nobody asks).
         self.hidden_observer: Callable[[str, Tensor], None] | None = None
         spec = self.plan.speculative
-        self.adaptive = AdaptiveSpeculation() if spec is not None and spec.adaptive else None
+        # Arms: the speculative shapes by index, and None for a plain decode step.
+        arms = (*range(len(self.plan.trees)), None)
+        self.adaptive = AdaptiveSpeculation(arms) if spec is not None and spec.adaptive else None
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -183,13 +184,14 @@ class Engine:
         self.bucket_steps[B] += 1
         variant = self.plan.variant_for(max((s.req.variant for s in self.rows), key=VARIANTS.index))
         speculate = self.sched.speculates() and self.proposer.can_speculate(self.rows)
+        shape = 0 if speculate else None  # the step's speculative shape, None: a plain decode step
         choose = speculate and self.adaptive is not None and variant == "greedy"
         if choose:
-            speculate = self.adaptive.choose()
+            shape = self.adaptive.choose()
         t0 = time.perf_counter()
-        per_row = self._speculative_step(B, variant) if speculate else self._plain_step(B, variant)
+        per_row = self._plain_step(B, variant) if shape is None else self._speculative_step(B, variant, shape)
         if choose:
-            self.adaptive.record(speculate, sum(len(toks) for toks, _ in per_row), time.perf_counter() - t0)
+            self.adaptive.record(shape, sum(len(toks) for toks, _ in per_row), time.perf_counter() - t0)
         events = [self.output.emit(s, toks, draft)[1] for s, (toks, draft) in zip(list(self.rows), per_row)]
         for i in range(len(self.rows) - 1, -1, -1):
             if self.rows[i].finish is not None:
@@ -212,21 +214,22 @@ class Engine:
                 self.hidden_observer(s.request_id, out["hidden"][i:i + 1])
         return [([t], None) for t in nxt[:len(self.rows)]]
 
-    def _speculative_step(self, B: int, variant: str) -> list[tuple[list[int], tuple[int, int]]]:
-        st, D = self.state, self.depth
+    def _speculative_step(self, B: int, variant: str, shape: int) -> list[tuple[list[int], tuple[int, int]]]:
+        st, tree = self.state, self.plan.trees[shape]
+        D = tree.depth
         ctx = self.sched.context_bucket()  # both models read only committed slots
         root_pos = st.positions[:B].clone()
-        step = Step(B, self.rows, ctx, variant, st.sampling(B), st.tokens[:B], root_pos,
+        step = Step(B, shape, tree, self.rows, ctx, variant, st.sampling(B), st.tokens[:B], root_pos,
                     lambda n: st.uniforms(self.rows, B, n))
         prop = self.proposer.propose(step)
-        key = self.catalog.verify_key(B, ctx, variant)
+        key = self.catalog.verify_key(B, ctx, variant, shape)
         inputs = {"tree_tokens": prop.tokens, "root_pos": root_pos, **self.kv["target"]}
-        if self.proposer.dynamic_tree:
+        if tree.dynamic:
             inputs["parents"] = prop.parents
         if key.method == "rejection":
-            if self.proposer.proposal_probs:
+            if self.proposer.proposal_probs(tree):
                 inputs["draft_probs"] = prop.draft_probs
-            inputs["uniforms"] = st.uniforms(self.rows, B, self.plan.tree.num_nodes + 1)
+            inputs["uniforms"] = st.uniforms(self.rows, B, tree.num_nodes + 1)
         if key.method != "greedy":
             inputs.update(step.sampling)
         out = self.graphs(key, **inputs)

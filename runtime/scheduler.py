@@ -51,10 +51,9 @@ class Scheduler:
     """Requests from the queue to a row. `add` and `abort` are thread-safe; the rest runs on the engine's
     stepping thread."""
 
-    def __init__(self, plan: Plan, vocab_size: int, tokenizer: Any, dtype: Any, max_waiting: int,
-                 speculative_depth: int) -> None:
+    def __init__(self, plan: Plan, vocab_size: int, tokenizer: Any, dtype: Any, max_waiting: int) -> None:
         self.plan, self.vocab_size, self.tokenizer, self.dtype = plan, vocab_size, tokenizer, dtype
-        self.num_slots, self.max_waiting, self.depth = plan.batch_buckets[-1], max_waiting, speculative_depth
+        self.num_slots, self.max_waiting, self.depth = plan.batch_buckets[-1], max_waiting, plan.max_depth
         self._lock = threading.Lock()
         self._inbox: list[Seq] = []
         self._aborts: set[str] = set()

@@ -476,7 +476,7 @@ def build_app(engine: Any, *, served_model_name: str | None = None, batch_bucket
     # The engine's own plan knows the buckets (an artifact directory's may differ from the command line's);
     # per-position counters exist from the start for its lookahead depth (more appear if needed).
     buckets = tuple(getattr(getattr(engine, "plan", None), "batch_buckets", None) or batch_buckets)
-    metrics = ServerMetrics(model_name, buckets, getattr(engine, "depth", 0) or 0, engine.max_context)
+    metrics = ServerMetrics(model_name, buckets, engine.plan.max_depth, engine.max_context)
     async_engine = AsyncEngine(engine, metrics)
     server = OpenAIServer(async_engine, model_name, tokenizer=engine.tokenizer, max_context=engine.max_context,
                           model_root=model_root)

@@ -129,15 +129,42 @@ def test_adaptive_speculation_is_lossless_and_runs_both_step_kinds(tiny64, alone
     spec = {"method": "draft_model", "model": "-", "num_speculative_tokens": 3, "adaptive": True}
     engine = engine_from_models(tiny64[0], None, tiny64[1], spec, prefill_chunk=16, batch_buckets=(1, 2, 4))
     assert [r.token_ids for r in run(engine)] == alone
-    assert engine.adaptive.steps[True] > 0 and engine.adaptive.steps[False] > 0
+    assert engine.adaptive.steps[0] > 0 and engine.adaptive.steps[None] > 0
     with pytest.raises(InputError, match="adaptive"):
         engine_from_models(tiny64[0], None, tiny64[1], {**spec, "adaptive": "yes"})
+
+
+def test_adaptive_shapes_are_lossless_and_each_runs(tiny64, alone):
+    """With `shapes`, greedy steps choose among plain decoding and every precompiled shape (chains and trees
+    of different depths, one graph set each); the output stays the target's, whichever ran when."""
+    spec = {"method": "draft_model", "model": "-", "num_speculative_tokens": 3, "adaptive": True,
+            "shapes": [{"num_speculative_tokens": 1}, {"num_speculative_tokens": 5, "tree": "topk:2x6"}]}
+    engine = engine_from_models(tiny64[0], None, tiny64[1], spec, prefill_chunk=16, batch_buckets=(1, 2, 4))
+    assert [t.depth for t in engine.plan.trees] == [3, 1, 5] and engine.plan.spare_slots == 16
+    assert {k.shape for k in engine.catalog.keys() if k.kind in ("draft", "verify")} == {0, 1, 2}
+    assert [r.token_ids for r in run(engine)] == alone
+    assert all(n > 0 for n in engine.adaptive.steps.values()), engine.adaptive.steps
+    # Sampled steps run the main shape only: no other shape has a sampling verify graph.
+    assert not [k for k in engine.catalog.keys() if k.shape and k.kind == "verify" and k.method != "greedy"]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"shapes": [{"num_speculative_tokens": 2}]}, "adaptive"),
+    ({"adaptive": True, "shapes": [{"tree": "chain", "num_speculative_tokens": 3}]}, "repeats"),
+    ({"adaptive": True, "shapes": [{"method": "ngram"}]}, "'num_speculative_tokens' and/or 'tree' only"),
+    ({"adaptive": True, "shapes": "chain"}, "list of objects"),
+    ({"adaptive": True, "shapes": [{"num_speculative_tokens": 40}]}, "1..16"),
+])
+def test_bad_adaptive_shapes_are_refused(tiny64, spec, message):
+    with pytest.raises(InputError, match=message):
+        engine_from_models(tiny64[0], None, tiny64[1],
+                           {"method": "draft_model", "model": "-", "num_speculative_tokens": 3, **spec})
 
 
 def test_adaptive_choice_follows_the_faster_step_and_probes_the_other():
     from specair.runtime.adaptive import AdaptiveSpeculation
 
-    a = AdaptiveSpeculation(alpha=0.5, probe=4)
+    a = AdaptiveSpeculation((True, False), alpha=0.5, probe=4)
     assert a.choose() is True
     a.record(True, 6, 0.02)  # 300 tokens/s
     assert a.choose() is False
@@ -147,6 +174,18 @@ def test_adaptive_choice_follows_the_faster_step_and_probes_the_other():
     for _ in range(6):
         a.record(True, 2, 0.02)  # acceptance falls: speculation now emits 100 tokens/s
     assert a.rate[True] < a.rate[False] and a.choose() is False
+
+
+def test_adaptive_choice_among_several_arms_probes_each_in_turn():
+    from specair.runtime.adaptive import AdaptiveSpeculation
+
+    a = AdaptiveSpeculation((0, 1, None), alpha=1.0, probe=3)
+    for arm, rate in ((0, 100.0), (1, 300.0), (None, 200.0)):
+        assert a.choose() == arm
+        a.record(arm, int(rate), 1.0)
+    assert [a.choose() for _ in range(9)] == [1, 1, 0, 1, 1, None, 1, 1, 0]
+    a.record(None, 400, 1.0)
+    assert a.choose() is None
 
 
 def test_abort_frees_the_slot_and_others_continue(tiny64, alone):

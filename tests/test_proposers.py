@@ -24,6 +24,16 @@ PROPOSERS = {
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 2, "tree": "kary:2x2"},
     "mlp_speculator": {"method": "mlp_speculator", "num_speculative_tokens": 3},
 }
+# A second shape per proposer for the adaptive choice: another depth, or a chain beside a tree.
+SHAPES = {
+    "draft_model": {"num_speculative_tokens": 2, "tree": "chain"},
+    "layer_skip": {"num_speculative_tokens": 1},
+    "ngram": {"num_speculative_tokens": 5},
+    "medusa": {"num_speculative_tokens": 1, "tree": "chain"},
+    "eagle": {"num_speculative_tokens": 1, "tree": "chain"},
+    "eagle3": {"tree": "topk:2x4"},
+    "mlp_speculator": {"num_speculative_tokens": 2},
+}
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8], list(range(30, 60, 3))]
 
 
@@ -43,11 +53,14 @@ def greedy(engine, n=16):
         PROMPTS, SamplingParams(max_tokens=n, ignore_eos=True))]
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["", "adaptive-shapes"])
 @pytest.mark.parametrize("name", list(PROPOSERS))
-def test_every_proposer_through_onnx_equals_autoregressive(tiny, name):
+def test_every_proposer_through_onnx_equals_autoregressive(tiny, name, adaptive):
     pytest.importorskip("onnxruntime")
     target, other = tiny
     spec = PROPOSERS[name]
+    if adaptive:
+        spec = {**spec, "adaptive": True, "shapes": [SHAPES[name]]}
     draft = {"draft_model": other, "layer_skip": truncated(target, 1), "ngram": None}.get(name)
     if draft is None and name != "ngram":
         draft = random_heads(target, spec)
@@ -55,7 +68,8 @@ def test_every_proposer_through_onnx_equals_autoregressive(tiny, name):
     ref = greedy(engine_from_models(target, **kw))
     engine = engine_from_models(target, None, draft, spec, **kw)
     assert greedy(engine) == ref
-    assert any(k.kind == "verify" for k in engine.graphs.fns)  # it did speculate, through compiled graphs
+    verified = {k.shape for k in engine.graphs.fns if k.kind == "verify"}  # it did speculate, through compiled graphs
+    assert verified == ({0, 1} if adaptive else {0})
 
 
 CHAT = [{"role": "user", "content": "Explain what a hash table is, briefly."}]

@@ -259,6 +259,16 @@ def test_eagle3_training_lowers_the_loss_and_exports_through_load_eagle3(setup, 
     for name, p in recipe.params.items():  # shipped in float16: the trained weights rounded to float16
         assert torch.equal(got[name], p.detach().half().float()), name
     assert torch.equal(loaded.draft_vocab, recipe.vocab)
+    # --init DIR goes on from the exported head: its weights (the lm_head too, not the target's rows again)
+    warm = Eagle3Recipe(setup, Eagle3Settings(draft_vocab=2048, unroll=3, eval_depth=3, init=str(tmp_path / "eagle3")))
+    for name, p in warm.params.items():
+        assert torch.equal(p.detach(), got[name].detach()), name
+    with torch.no_grad():
+        assert float(warm.losses(batch, 3, 0.0)[0]) < 0.9 * first
+    with pytest.raises(InputError, match="draft vocabulary"):
+        Eagle3Recipe(setup, Eagle3Settings(draft_vocab=1024, init=str(tmp_path / "eagle3")))
+    with pytest.raises(InputError, match="trained eagle3 head"):
+        Eagle3Recipe(setup, Eagle3Settings(init=str(tmp_path / "nowhere")))
 
 
 def test_eagle3_unrolled_steps_match_the_drafting_contract(setup):

@@ -141,7 +141,7 @@ class EagleRecipe:
         if settings.init == "identity":
             self._init_identity()
         elif settings.init != "random":
-            raise InputError(f"unknown EAGLE init {settings.init!r} (identity, random)")
+            self._init_from(Path(settings.init))
         self.head.train()
         self.to_reduced = _full_to_reduced(self.head)
         self.params = {n: p for n, p in self.head.named_parameters()
@@ -159,6 +159,26 @@ class EagleRecipe:
 
     def make_head(self) -> EagleHead:
         return EagleHead(self.setup.target, draft_vocab=self.vocab)
+
+    @staticmethod
+    def load_head(path: Path, target: Any) -> EagleHead:
+        return load_eagle(path, target)
+
+    def _init_from(self, path: Path) -> None:
+        """Warm start from a trained head of this recipe over the same draft vocabulary: its weights, with a
+        fresh optimizer and schedule (to go on with the same ones, use --resume)."""
+        if not path.is_dir():
+            raise InputError(f"--init {path}: expected 'identity', 'random' or the directory of a trained "
+                             f"{self.name} head")
+        trained = self.load_head(path, self.setup.target)
+        a, b = trained.draft_vocab, self.vocab
+        if (a is None) != (b is None) or (a is not None and not torch.equal(a.cpu(), b.cpu())):
+            raise InputError(f"--init {path}: its draft vocabulary differs from this run's (--draft-vocab)")
+        own = dict(trained.named_parameters())
+        with torch.no_grad():
+            for name, p in self.head.named_parameters():
+                if any(p is q for q in self.head.own_parameters()):
+                    p.copy_(own[name].to(p.dtype))
 
     def inputs(self, batch: Batch) -> Tensor:
         """The target states the head reads: its final hidden state."""
@@ -287,8 +307,9 @@ def add_head_arguments(p: argparse.ArgumentParser, d: EagleSettings | Any, ident
     p.add_argument("--step-decay", type=float, default=d.step_decay, help="loss weight decay per unroll step")
     p.add_argument("--noise", type=float, default=d.noise, help="uniform noise half-width on the input states")
     p.add_argument("--eval-depth", type=int, default=d.eval_depth, help="draft depth of the held-out eval")
-    p.add_argument("--init", choices=("identity", "random"), default=d.init,
-                   help=f"identity: {identity_help}; random: default init")
+    p.add_argument("--init", default=d.init,
+                   help=f"identity: {identity_help}; random: default init; or the directory of a trained head "
+                        "of this recipe to go on from (its weights, a fresh optimizer and schedule)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

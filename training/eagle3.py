@@ -56,9 +56,6 @@ class Eagle3Recipe(EagleRecipe):
                              f"{list(default_feature_layers(setup.target.config.num_layers))}")
         super().__init__(setup, settings)
         self.target_rows = _target_rows(setup, self.vocab)
-        with torch.no_grad():  # start from the target's own readout over the draft vocabulary
-            self.head.lm_head.weight.copy_(self.target_rows)
-            self.head.norm.weight.copy_(setup.target.norm.weight)
 
     @classmethod
     def around(cls, setup: TrainingSetup, settings: Eagle3Settings, head: Eagle3Head) -> "Eagle3Recipe":
@@ -67,7 +64,15 @@ class Eagle3Recipe(EagleRecipe):
         return self
 
     def make_head(self) -> Eagle3Head:
-        return Eagle3Head(self.setup.target, draft_vocab=self.vocab)
+        head = Eagle3Head(self.setup.target, draft_vocab=self.vocab)
+        with torch.no_grad():  # start from the target's own readout over the draft vocabulary
+            head.lm_head.weight.copy_(_target_rows(self.setup, self.vocab))
+            head.norm.weight.copy_(self.setup.target.norm.weight)
+        return head
+
+    @staticmethod
+    def load_head(path: Path, target) -> Eagle3Head:
+        return load_eagle3(path, target)
 
     def _init_identity(self) -> None:
         """fc passes the highest feature through and the layer's output projections start at zero, so the

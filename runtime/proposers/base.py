@@ -21,7 +21,7 @@ from torch import Tensor
 from specair.compile.catalog import Catalog, GraphSpec
 from specair.compile.graph_def import GraphKey
 from specair.compile.plan import Plan
-from specair.compile.spec_config import SpeculativeConfig, config_dict
+from specair.compile.spec_config import SpeculativeConfig, TreeShape, config_dict, tree_shape
 from specair.models.errors import InputError
 
 if TYPE_CHECKING:
@@ -55,7 +55,8 @@ def parse_config(spec: str | dict[str, Any] | SpeculativeConfig | None) -> Specu
     if "num_speculative_tokens" not in raw:
         raw = {**cls.config_defaults(raw.get("model")), **raw}
     config = SpeculativeConfig.parse(cls.check_config(dict(raw)))
-    cls.check_tree(config)
+    for c in config.shape_configs():
+        cls.check_tree(c, tree_shape(c))
     return config
 
 
@@ -73,6 +74,8 @@ class Step:
     """What a proposer sees of a speculative step over batch bucket B."""
 
     B: int
+    shape: int  # which of the plan's speculative shapes this step runs (an index into Plan.trees)
+    tree: TreeShape  # that shape
     rows: list["Seq"]
     ctx: int  # context bucket of the committed prefix
     variant: str  # the step's sampling variant
@@ -95,21 +98,16 @@ class Proposer:
         if draft is not None and draft_vocab != target.config.vocab_size:
             raise InputError(f"the draft's vocabulary ({draft_vocab} tokens) differs from the "
                              f"target's ({target.config.vocab_size}); a draft must share the target's tokenizer")
-        self.spec, self.plan, self.tree, self.target, self.draft = spec, plan, plan.tree, target, draft
-        self.depth = plan.tree.depth
+        self.spec, self.plan, self.trees, self.target, self.draft = spec, plan, plan.trees, target, draft
         self.graphs: GraphSet | None = None
         self.kv: KVSlots | None = None
 
     # ---- flags the catalogue and engine read ----------------------------------------------------------
 
-    @property
-    def proposal_probs(self) -> bool:
-        """Whether proposals carry draft_probs: only sampled chains; trees' candidates are deterministic."""
-        return self.sampled and self.tree.kind == "chain"
-
-    @property
-    def dynamic_tree(self) -> bool:
-        return self.tree.kind == "topk"
+    def proposal_probs(self, tree: TreeShape) -> bool:
+        """Whether proposals of that shape carry draft_probs: only sampled chains; trees' candidates are
+        deterministic."""
+        return self.sampled and tree.kind == "chain"
 
     # ---- configuration and loading (the builder) -------------------------------------------------------
 
@@ -126,8 +124,8 @@ class Proposer:
         return raw
 
     @classmethod
-    def check_tree(cls, config: SpeculativeConfig) -> None:
-        """Refuse tree shapes this proposer cannot fill (InputError)."""
+    def check_tree(cls, config: SpeculativeConfig, tree: TreeShape) -> None:
+        """Refuse tree shapes this proposer cannot fill (InputError); called for each of the config's shapes."""
 
     @classmethod
     def load(cls, spec: SpeculativeConfig, target: Any, tokenizer: Any, target_path: str | None,

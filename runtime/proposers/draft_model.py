@@ -44,9 +44,9 @@ class CachedDraft(Proposer):
 
     # ---- graphs -------------------------------------------------------------------------------------
 
-    def draft_key(self, B: int, ctx: int, variant: str) -> GraphKey:
-        chain = self.tree.kind == "chain"
-        return GraphKey("draft", B, ctx, variant=Catalog.sampled(variant) if chain else "")
+    def draft_key(self, B: int, ctx: int, variant: str, shape: int) -> GraphKey:
+        chain = self.trees[shape].kind == "chain"
+        return GraphKey("draft", B, ctx, variant=Catalog.sampled(variant) if chain else "", shape=shape)
 
     def graph_keys(self, plan: Plan) -> list[GraphKey]:
         # Prompts prefill into the one-row scratch cache ("draft_prefill"), running rows catch up in their
@@ -54,10 +54,12 @@ class CachedDraft(Proposer):
         return [GraphKey("draft_prefill", 1, c, chunk=plan.chunk_key(t)) for c in plan.ctx_buckets
                 for t in plan.chunk_buckets] + [
             k for b in plan.batch_buckets for c in plan.ctx_buckets
-            for k in [GraphKey("draft_sync", b, c)] + [self.draft_key(b, c, v) for v in plan.variants]]
+            for k in [GraphKey("draft_sync", b, c)] + [self.draft_key(b, c, v, i) for v in plan.variants
+                                                      for i in plan.shapes(v)]]
 
     def build_graph(self, key: GraphKey, cat: Catalog) -> GraphSpec:
-        B, D, tree = key.batch, self.depth, self.tree
+        B, tree = key.batch, self.trees[key.shape]
+        D = tree.depth
         caches = cat.caches(self.draft, B)
         H = cat.hidden_size
         if key.kind in ("draft_prefill", "draft_sync"):
@@ -127,10 +129,10 @@ class CachedDraft(Proposer):
     def _pending(self, s: Seq) -> list[int]:
         return s.seq[s.draft.length + self.offset:]
 
-    def sync(self, rows: list[Seq], B: int) -> None:
+    def sync(self, rows: list[Seq], B: int, D: int) -> None:
         """Bring every row's cache to within one catch-up (D+1 entries) of its sequence, after steps that
-        did not speculate (rows already close get no tokens)."""
-        D, chunk = self.depth, self.plan.prefill_chunk
+        did not speculate or speculated deeper (rows already close get no tokens)."""
+        chunk = self.plan.prefill_chunk
         while True:
             lag = [len(self._pending(s)) for s in rows]  # pending entries, the root's included
             if max(lag) <= D + 1:
@@ -160,8 +162,8 @@ class CachedDraft(Proposer):
                     s.draft.hidden = s.draft.hidden[n[i]:]
 
     def propose(self, step: Step) -> Proposal:
-        B, D, rows = step.B, self.depth, step.rows
-        self.sync(rows, B)
+        B, D, rows = step.B, step.tree.depth, step.rows
+        self.sync(rows, B, D)
         pending = [self._pending(s) for s in rows]
         catch = torch.zeros(B, D + 1, dtype=L)
         for i, p in enumerate(pending):
@@ -170,14 +172,14 @@ class CachedDraft(Proposer):
         draft_len = torch.tensor([s.draft.length for s in rows] + [0] * (B - len(rows)), device=self.device)
         inputs = {"catch_tokens": catch.to(self.device), "n_catch": n_catch.to(self.device), "draft_len": draft_len,
                   **self.kv["draft"]}
-        if self.tree.kind == "chain":
+        if step.tree.kind == "chain":
             inputs.update(step.sampling, uniforms=step.uniforms(D))
         if self.reads_hidden:
             h = torch.zeros(B, D + 1, self.target.feature_size, dtype=self.target.dtype, device=self.device)
             for i, s in enumerate(rows):
                 h[i, :len(s.draft.hidden)] = s.draft.hidden
             inputs["catch_hidden"] = h
-        out = self.graphs(self.draft_key(B, step.ctx, step.variant), **inputs)
+        out = self.graphs(self.draft_key(B, step.ctx, step.variant, step.shape), **inputs)
         self.kv.commit("draft", out["catch_k"], out["catch_v"],
                        draft_len.unsqueeze(1) + torch.arange(D + 1, device=self.device))
         for s, p in zip(rows, pending):

@@ -9,7 +9,7 @@ from typing import Any
 from specair.compile.catalog import Catalog, GraphSpec
 from specair.compile.graph_def import GraphKey
 from specair.compile.plan import Plan
-from specair.compile.spec_config import SpeculativeConfig, tree_shape
+from specair.compile.spec_config import SpeculativeConfig, TreeShape
 from specair.graphs.heads import medusa_tree
 from specair.models.errors import InputError
 from specair.runtime.proposers.base import LastHiddenHead, Proposal, Step, register
@@ -29,20 +29,21 @@ class Medusa(LastHiddenHead):
         return load_medusa(path, target)
 
     @classmethod
-    def check_tree(cls, config: SpeculativeConfig) -> None:
-        if tree_shape(config).kind == "topk":
+    def check_tree(cls, config: SpeculativeConfig, tree: TreeShape) -> None:
+        if tree.dynamic:
             raise InputError("Medusa heads do not condition on the parent token: use a static tree "
                              "(a choice list, 'kary:DxW' or 'mc_sim_7b_63'), not 'topk:KxN'")
 
     def graph_keys(self, plan: Plan) -> list[GraphKey]:
-        return [GraphKey("draft", b) for b in plan.batch_buckets]
+        shapes = sorted({i for v in plan.variants for i in plan.shapes(v)})
+        return [GraphKey("draft", b, shape=i) for b in plan.batch_buckets for i in shapes]
 
     def build_graph(self, key: GraphKey, cat: Catalog) -> GraphSpec:
-        B, template = key.batch, self.tree.template
+        B, template = key.batch, self.trees[key.shape].template
         inputs = {"hidden": cat.zeros(B, cat.hidden_size, dtype=cat.target.dtype), "root": cat.zeros(B)}
         return GraphSpec(medusa_tree, {"draft": self.draft},
                          {"template": template, "buffers": cat.on_device(template.buffers())}, inputs, ["tree_tokens"])
 
     def propose(self, step: Step) -> Proposal:
-        out = self.graphs(GraphKey("draft", step.B), hidden=self.hidden(step), root=step.root)
+        out = self.graphs(GraphKey("draft", step.B, shape=step.shape), hidden=self.hidden(step), root=step.root)
         return Proposal(out["tree_tokens"])

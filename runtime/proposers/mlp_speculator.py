@@ -9,6 +9,7 @@ from typing import Any
 from specair.compile.catalog import Catalog, GraphSpec
 from specair.compile.graph_def import GraphKey
 from specair.compile.plan import Plan
+from specair.compile.spec_config import SpeculativeConfig, TreeShape
 from specair.graphs.heads import mlp_speculator_chain
 from specair.models.errors import InputError
 from specair.runtime.proposers.base import LastHiddenHead, Proposal, Step, register
@@ -26,25 +27,25 @@ class MLPSpeculatorProposer(LastHiddenHead):
         return load_mlp_speculator(path, target)
 
     @classmethod
-    def check_config(cls, raw: dict[str, Any]) -> dict[str, Any]:
-        if raw.get("tree") not in (None, "chain"):
+    def check_tree(cls, config: SpeculativeConfig, tree: TreeShape) -> None:
+        if tree.kind != "chain":
             raise InputError("method 'mlp_speculator' proposes a chain; drop 'tree'")
-        return super().check_config(raw)
 
-    def key(self, B: int, variant: str) -> GraphKey:
-        return GraphKey("draft", B, variant=Catalog.sampled(variant))
+    def key(self, B: int, variant: str, shape: int) -> GraphKey:
+        return GraphKey("draft", B, variant=Catalog.sampled(variant), shape=shape)
 
     def graph_keys(self, plan: Plan) -> list[GraphKey]:
-        return list(dict.fromkeys(self.key(b, v) for b in plan.batch_buckets for v in plan.variants))
+        return list(dict.fromkeys(self.key(b, v, i) for b in plan.batch_buckets for v in plan.variants
+                                  for i in plan.shapes(v)))
 
     def build_graph(self, key: GraphKey, cat: Catalog) -> GraphSpec:
-        B = key.batch
+        B, k = key.batch, self.trees[key.shape].depth
         inputs = {"hidden": cat.zeros(B, cat.hidden_size, dtype=cat.target.dtype), "root": cat.zeros(B),
-                  **cat.sampling(B), "uniforms": cat.uniforms(B, self.depth)}
+                  **cat.sampling(B), "uniforms": cat.uniforms(B, k)}
         return GraphSpec(mlp_speculator_chain, {"draft": self.draft},
-                         {"k": self.depth, "filtered": key.variant == "filtered"}, inputs, ["tree_tokens", "draft_probs"])
+                         {"k": k, "filtered": key.variant == "filtered"}, inputs, ["tree_tokens", "draft_probs"])
 
     def propose(self, step: Step) -> Proposal:
-        out = self.graphs(self.key(step.B, step.variant), hidden=self.hidden(step), root=step.root,
-                          **step.sampling, uniforms=step.uniforms(self.depth))
+        out = self.graphs(self.key(step.B, step.variant, step.shape), hidden=self.hidden(step), root=step.root,
+                          **step.sampling, uniforms=step.uniforms(step.tree.depth))
         return Proposal(out["tree_tokens"], out["draft_probs"])

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from specair.compile.spec_config import SpeculativeConfig
+from specair.compile.spec_config import SpeculativeConfig, TreeShape
 from specair.models.errors import InputError
 from specair.runtime.proposers.base import Proposal, Proposer, Step, register
 from specair.runtime.scheduler import Seq
@@ -65,9 +65,12 @@ class Ngram(Proposer):
         lo = raw.get("prompt_lookup_min") or min(2, hi)
         if lo > hi:
             raise InputError(f"'prompt_lookup_min' ({lo}) exceeds 'prompt_lookup_max' ({hi})")
-        if raw.get("tree") not in (None, "chain"):
-            raise InputError("method 'ngram' proposes a chain; drop 'tree'")
         return {**raw, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+
+    @classmethod
+    def check_tree(cls, config: SpeculativeConfig, tree: TreeShape) -> None:
+        if tree.kind != "chain":
+            raise InputError("method 'ngram' proposes a chain; drop 'tree'")
 
     @classmethod
     def config_defaults(cls, model: str | None) -> dict[str, Any]:
@@ -80,13 +83,14 @@ class Ngram(Proposer):
     def can_speculate(self, rows: list[Seq]) -> bool:
         for s in rows:  # the index catches up with the tokens the sequence gained since
             s.draft.extend(s.seq[len(s.draft.tokens):])
-        self._proposals = [s.draft.propose(self.depth) for s in rows]
+        self._proposals = [s.draft.propose(self.plan.max_depth) for s in rows]
         return any(self._proposals)
 
     def propose(self, step: Step) -> Proposal:
-        tokens = torch.zeros(step.B, self.depth + 1, dtype=torch.long)
+        D = step.tree.depth
+        tokens = torch.zeros(step.B, D + 1, dtype=torch.long)
         for i, prop in enumerate(self._proposals):
-            tokens[i, 1:1 + len(prop)] = torch.tensor(prop, dtype=torch.long)
+            tokens[i, 1:1 + min(len(prop), D)] = torch.tensor(prop[:D], dtype=torch.long)
         tokens = tokens.to(self.device)
         tokens[:, 0] = step.root
         return Proposal(tokens)
