@@ -14,6 +14,7 @@ scored against h_{p+s}. Deep positions decide tau, and a head trained only on tr
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -283,10 +284,13 @@ class EagleRecipe:
         t0 = time.perf_counter()
         final = trainer.fit(lambda epoch: length_grouped_batches(lengths, cfg.batch_size, cfg.seed * 7919 + epoch),
                             self.train_step, self.evaluate)
+        extra = {"train_time_s": round(time.perf_counter() - t0, 1), "load_with": self.load_with}
+        before = Path(self.s.init) / "training.json"
+        if before.is_file():  # a warm start: the record of the run it went on from, so the head's history is whole
+            extra["init_from"] = json.loads(before.read_text())
         self.export(out)
         write_training_json(out, self.name, self.setup, {**asdict(cfg), **asdict(self.s)}, final, trainer.history,
-                            self.setup.vocab_report(self.vocab),
-                            {"train_time_s": round(time.perf_counter() - t0, 1), "load_with": self.load_with})
+                            self.setup.vocab_report(self.vocab), extra)
         if not keep_checkpoint:
             shutil.rmtree(out / "checkpoint", ignore_errors=True)
         return final
