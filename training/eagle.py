@@ -139,14 +139,14 @@ class EagleRecipe:
         self.setup, self.s = setup, settings
         self.vocab = setup.draft_vocab(settings.draft_vocab)
         self.head = self.make_head()
+        self.params = {n: p for n, p in self.head.named_parameters()
+                       if any(p is q for q in self.head.own_parameters())}
         if settings.init == "identity":
             self._init_identity()
         elif settings.init != "random":
             self._init_from(Path(settings.init))
         self.head.train()
         self.to_reduced = _full_to_reduced(self.head)
-        self.params = {n: p for n, p in self.head.named_parameters()
-                       if any(p is q for q in self.head.own_parameters())}
         for p in self.params.values():
             p.requires_grad_(True)
 
@@ -175,11 +175,10 @@ class EagleRecipe:
         a, b = trained.draft_vocab, self.vocab
         if (a is None) != (b is None) or (a is not None and not torch.equal(a.cpu(), b.cpu())):
             raise InputError(f"--init {path}: its draft vocabulary differs from this run's (--draft-vocab)")
-        own = dict(trained.named_parameters())
+        weights = dict(trained.named_parameters())
         with torch.no_grad():
-            for name, p in self.head.named_parameters():
-                if any(p is q for q in self.head.own_parameters()):
-                    p.copy_(own[name].to(p.dtype))
+            for name, p in self.params.items():
+                p.copy_(weights[name].to(p.dtype))
 
     def inputs(self, batch: Batch) -> Tensor:
         """The target states the head reads: its final hidden state."""
