@@ -92,6 +92,8 @@ class Proposer:
     method: ClassVar[str]
     has_cache: ClassVar[bool] = False  # keeps a KV cache of its own, beside the target's (KVSlots role "draft")
     sampled: ClassVar[bool] = True  # chains are sampled from a draft distribution (False: chosen deterministically)
+    # How the native runner (runtime/native) drives it: "ngram", "cached_draft" or "last_hidden" (None: it cannot).
+    native: ClassVar[str | None] = None
 
     def __init__(self, spec: SpeculativeConfig, plan: Plan, target: Any, draft: Any) -> None:
         draft_vocab = getattr(getattr(draft, "config", draft), "vocab_size", None)  # heads keep it on themselves
@@ -145,6 +147,11 @@ class Proposer:
 
     def graph_keys(self, plan: Plan) -> list[GraphKey]:
         return []
+
+    def draft_key(self, B: int, ctx: int, variant: str, shape: int) -> GraphKey | None:
+        """The graph that drafts a step over batch bucket B, context bucket ctx, sampling variant and shape
+        (None: proposals are made on the host)."""
+        return None
 
     def build_graph(self, key: GraphKey, catalog: Catalog) -> GraphSpec:
         raise KeyError(f"{self.method} proposer has no graph {key}")
@@ -254,6 +261,8 @@ class HeadProposer(Proposer):
 class LastHiddenHead(HeadProposer):
     """Heads that read the target's hidden state at the position that produced the last token (Medusa,
     MLPSpeculator); they keep no cache. `seq.draft` is that hidden state [H]."""
+
+    native = "last_hidden"
 
     def prefilled(self, seq: "Seq", last_hidden: Tensor) -> None:
         seq.draft = last_hidden

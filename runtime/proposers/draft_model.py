@@ -39,6 +39,7 @@ class CachedDraft(Proposer):
     `reads_hidden`)."""
 
     has_cache = True
+    native = "cached_draft"
     offset: ClassVar[int] = 0
     reads_hidden: ClassVar[bool] = False
 

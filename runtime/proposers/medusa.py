@@ -36,7 +36,10 @@ class Medusa(LastHiddenHead):
 
     def graph_keys(self, plan: Plan) -> list[GraphKey]:
         shapes = sorted({i for v in plan.variants for i in plan.shapes(v)})
-        return [GraphKey("draft", b, shape=i) for b in plan.batch_buckets for i in shapes]
+        return [self.draft_key(b, 0, "", i) for b in plan.batch_buckets for i in shapes]
+
+    def draft_key(self, B: int, ctx: int, variant: str, shape: int) -> GraphKey:
+        return GraphKey("draft", B, shape=shape)
 
     def build_graph(self, key: GraphKey, cat: Catalog) -> GraphSpec:
         B, template = key.batch, self.trees[key.shape].template
@@ -45,5 +48,5 @@ class Medusa(LastHiddenHead):
                          {"template": template, "buffers": cat.on_device(template.buffers())}, inputs, ["tree_tokens"])
 
     def propose(self, step: Step) -> Proposal:
-        out = self.graphs(GraphKey("draft", step.B, shape=step.shape), hidden=self.hidden(step), root=step.root)
+        out = self.graphs(self.draft_key(step.B, step.ctx, step.variant, step.shape), hidden=self.hidden(step), root=step.root)
         return Proposal(out["tree_tokens"])

@@ -31,11 +31,11 @@ class MLPSpeculatorProposer(LastHiddenHead):
         if tree.kind != "chain":
             raise InputError("method 'mlp_speculator' proposes a chain; drop 'tree'")
 
-    def key(self, B: int, variant: str, shape: int) -> GraphKey:
+    def draft_key(self, B: int, ctx: int, variant: str, shape: int) -> GraphKey:
         return GraphKey("draft", B, variant=Catalog.sampled(variant), shape=shape)
 
     def graph_keys(self, plan: Plan) -> list[GraphKey]:
-        return list(dict.fromkeys(self.key(b, v, i) for b in plan.batch_buckets for v in plan.variants
+        return list(dict.fromkeys(self.draft_key(b, 0, v, i) for b in plan.batch_buckets for v in plan.variants
                                   for i in plan.shapes(v)))
 
     def build_graph(self, key: GraphKey, cat: Catalog) -> GraphSpec:
@@ -46,6 +46,6 @@ class MLPSpeculatorProposer(LastHiddenHead):
                          {"k": k, "filtered": key.variant == "filtered"}, inputs, ["tree_tokens", "draft_probs"])
 
     def propose(self, step: Step) -> Proposal:
-        out = self.graphs(self.key(step.B, step.variant, step.shape), hidden=self.hidden(step), root=step.root,
+        out = self.graphs(self.draft_key(step.B, step.ctx, step.variant, step.shape), hidden=self.hidden(step), root=step.root,
                           **step.sampling, uniforms=step.uniforms(step.tree.depth))
         return Proposal(out["tree_tokens"], out["draft_probs"])

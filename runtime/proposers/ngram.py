@@ -53,6 +53,7 @@ class NgramIndex:
 class Ngram(Proposer):
     method = "ngram"
     sampled = False
+    native = "ngram"
 
     def __init__(self, spec: SpeculativeConfig, plan: Any, target: Any, draft: Any) -> None:
         super().__init__(spec, plan, target, draft)
