@@ -112,8 +112,11 @@ class AotiExecutor : public Executor {
  public:
   explicit AotiExecutor(const Artifacts& art)
       : art_(art), weights_(map_safetensors(art.dir / "weights.safetensors", art.recompile)) {
-    for (auto& [name, target] : art.native.value("aliases", json::object()).items())
+    const json aliases = art.native.value("aliases", json::object());
+    for (auto& [name, target] : aliases.items())
       aliases_[name] = target.get<std::string>();
+    for (const auto& [name, io] : art.graphs)  // loaded on first call, but a missing one fails before any runs
+      if (!fs::is_regular_file(art.dir / (name + ".pt2"))) throw missing(name, name + ".pt2 is missing");
   }
 
   Tensors run(const std::string& graph, Tensors inputs) override {
@@ -121,14 +124,16 @@ class AotiExecutor : public Executor {
   }
 
  private:
+  InputError missing(const std::string& graph, const std::string& why) const {
+    return InputError("artifact " + graph + " in " + art_.dir.string() + " cannot be loaded (" + why +
+                      "); recompile with: " + art_.recompile);
+  }
+
   torch::inductor::AOTIModelPackageLoader& load(const std::string& graph) {
     auto it = loaded_.find(graph);
     if (it != loaded_.end()) return *it->second;
     fs::path pt2 = art_.dir / (graph + ".pt2");
-    auto fail = [&](const std::string& why) {
-      return InputError("artifact " + graph + " in " + art_.dir.string() + " cannot be loaded (" + why +
-                        "); recompile with: " + art_.recompile);
-    };
+    auto fail = [&](const std::string& why) { return missing(graph, why); };
     if (!fs::is_regular_file(pt2)) throw fail(pt2.filename().string() + " is missing");
     std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader;
     try {
@@ -185,10 +190,13 @@ Artifacts Artifacts::open(const fs::path& dir, const std::string& backend) {
     a.recompile = a.native.at("recompile").get<std::string>();
     std::vector<std::string> problems;
     std::string built = a.manifest.at("backend").get<std::string>();
+    if (built == "aoti" && a.manifest.value("device", "cpu") != "cpu")
+      throw InputError("the artifacts in " + d + " are for device '" + a.manifest.value("device", "") +
+                       "'; specair-run runs CPU aoti artifacts (and Ascend .om models with --executor acl)");
     if (built != backend) problems.push_back("they were compiled for backend '" + built + "', not '" + backend + "'");
     const json& versions = a.manifest.at("versions");
     std::string torch = versions.value("torch", "none");
-    if (torch != SPECAIR_TORCH_VERSION)
+    if (backend == "aoti" && torch != SPECAIR_TORCH_VERSION)  // the packages link this libtorch
       problems.push_back(std::string("torch is ") + SPECAIR_TORCH_VERSION + " but they were built with " + torch);
     if (backend == "aoti" && versions.value("aoti_cpu", "none") != at::get_cpu_capability())
       problems.push_back("aoti_cpu is " + at::get_cpu_capability() + " but they were built with " +
