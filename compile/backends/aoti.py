@@ -30,10 +30,19 @@ CPU-ISA check is done from the package metadata (`AOTI_CPU_ISA`) against cpuinfo
 
 No `TORCHINDUCTOR_FREEZING`: freezing folds weights into the graph as package constants, which would
 defeat the sharing above.
+
+Packages are content-addressed: what a package holds follows from the exported program (its code, the
+names, shapes and strides of the constants it takes, the values of those it owns), the input shapes,
+the Inductor options and the torch version and CPU ISA, so a digest of those names it, and a graph whose
+digest was compiled before (another bucket's identical graph, a draft's prompt-prefill and catch-up
+graphs at batch 1, the same target graphs under another proposer's plan) is copied from
+`<specair cache>/aoti-packages/<digest>/` instead of built again (export still runs: ~1 s).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -48,6 +57,12 @@ from specair.compile.backends.base import Backend, BackendUnavailable, CompiledG
 from specair.compile.graph_def import GraphDef
 
 SIDECAR_FORMAT = 1
+
+
+def _package_cache() -> Path:
+    from specair.models.default_model import cache_dir
+
+    return cache_dir() / "aoti-packages"
 
 
 def _cxx_candidates() -> list[str]:
@@ -210,6 +225,13 @@ class AotiBackend(Backend):
             gm = ep.module(check_guards=False)  # what aoti_compile_and_package compiles
         except TypeError:
             gm = ep.module()
+        pt2, side = self._paths(graph, art_dir)
+        cached = _package_cache() / self._digest(ep, inputs)
+        if (cached / "graph.pt2").is_file() and (cached / "graph.aoti.pt").is_file():
+            sidecar = torch.load(cached / "graph.aoti.pt", map_location="cpu", weights_only=True)
+            sidecar.update(key=graph.key, input_names=list(graph.input_names), output_names=list(graph.output_names))
+            self._write(art_dir, graph.key, pt2, side, lambda p: shutil.copyfile(cached / "graph.pt2", p), sidecar)
+            return self.load(graph, art_dir)
         files = torch._inductor.aot_compile(gm, *ep.example_inputs, options=self._options())
         weights = [f for f in files if isinstance(f, Weights)]
         files = [f for f in files if not isinstance(f, Weights)]
@@ -232,19 +254,53 @@ class AotiBackend(Backend):
                    "input_names": list(graph.input_names), "output_names": list(graph.output_names),
                    "constants": constants, "tensors": owned}
 
-        pt2, side = self._paths(graph, art_dir)
-        # Written under the final names in a scratch dir (the archive's root folder is named after the
-        # file), then moved: an interrupted compile never leaves a half-written package behind.
-        scratch = Path(tempfile.mkdtemp(prefix=f".partial-{graph.key}-", dir=art_dir))
+        self._write(art_dir, graph.key, pt2, side, lambda p: package_aoti(str(p), files), sidecar)
+        try:  # into the package cache too; a cache that cannot be written only costs later compiles
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            self._write(cached.parent, cached.name, cached / "graph.pt2", cached / "graph.aoti.pt",
+                        lambda p: shutil.copyfile(pt2, p), sidecar, whole_dir=cached)
+        except OSError:
+            pass
+        del weights, ep
+        return self.load(graph, art_dir)
+
+    @staticmethod
+    def _write(parent: Path, key: str, pt2: Path, side: Path, make_pt2: Any, sidecar: dict[str, Any],
+               whole_dir: Path | None = None) -> None:
+        """Write a package and its sidecar under their final names in a scratch dir, then move them (or the
+        whole dir): an interrupted compile never leaves a half-written package behind."""
+        scratch = Path(tempfile.mkdtemp(prefix=f".partial-{key}-", dir=parent))
         try:
-            package_aoti(str(scratch / pt2.name), files)
+            make_pt2(scratch / pt2.name)
             torch.save(sidecar, scratch / side.name)
+            if whole_dir is not None:
+                try:
+                    os.rename(scratch, whole_dir)
+                except OSError:  # another process cached the same digest first
+                    pass
+                return
             os.replace(scratch / side.name, side)
             os.replace(scratch / pt2.name, pt2)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        del weights, ep
-        return self.load(graph, art_dir)
+
+    def _digest(self, ep: Any, inputs: tuple[Tensor, ...]) -> str:
+        """What the package built from this exported program would hold (see the module doc)."""
+        h = hashlib.sha256()
+        h.update(json.dumps({"format": SIDECAR_FORMAT, "versions": self.versions(), "inputs": [_spec(t) for t in inputs],
+                             "options": repr(sorted(self._options().items()))}, sort_keys=True).encode())
+        h.update(ep.graph_module.print_readable(print_output=False, include_stride=True, include_device=True).encode())
+        h.update(str(ep.graph_signature).encode())
+        for name, t in sorted(ep.state_dict.items()):
+            h.update(f"{name}:{json.dumps(_spec(t))}".encode())
+        for name, c in sorted(ep.constants.items()):
+            h.update(name.encode())
+            if isinstance(c, Tensor):
+                c = c.detach().cpu().contiguous()
+                h.update(json.dumps(_spec(c)).encode() + c.view(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr(c).encode())
+        return h.hexdigest()[:32]
 
     # -- load ------------------------------------------------------------------------------------
     @staticmethod
