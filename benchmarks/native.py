@@ -90,10 +90,12 @@ def main() -> None:
                          "total_s": statistics.median(x["total_s"] for x in rs)}
     nat, py = summary["specair-run"], summary["specair generate"]
     same = all(a["text"] == b["text"] for a, b in zip(runs["specair-run"], runs["specair generate"]))
-    result = {"artifacts": args.artifacts, "manifest": json.loads((Path(args.artifacts) / "manifest.json").read_text())["plan"],
+    plan = json.loads((Path(args.artifacts) / "manifest.json").read_text())["plan"]
+    ratio = nat["decode_tokens_per_s"] / py["decode_tokens_per_s"] if py["decode_tokens_per_s"] else None
+    result = {"artifacts": args.artifacts, "plan": plan,
               "num_prompts": len(records), "max_tokens": args.max_tokens, "threads": args.threads,
               "rounds": args.rounds, "summary": summary, "same_text": same,
-              "decode_ratio": nat["decode_tokens_per_s"] / py["decode_tokens_per_s"] if py["decode_tokens_per_s"] else None,
+              "decode_ratio": ratio,
               "command": " ".join(sys.argv), "runs": runs}
     lines = ["| runtime | process start → first token (s) | decode tok/s | whole run (s) |", "|---|---|---|---|"]
     for name, s in summary.items():

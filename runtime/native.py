@@ -28,7 +28,7 @@ FORMAT = 1
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: printable bytes map to themselves, the rest to U+0100 onwards."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:

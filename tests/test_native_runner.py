@@ -34,7 +34,7 @@ MAX_TOKENS = 20
 def _toolchain_missing() -> str | None:
     if shutil.which("cmake") is None:
         return "cmake is not installed"
-    if not Path("/usr/include/nlohmann/json.hpp").exists() and not Path("/usr/local/include/nlohmann/json.hpp").exists():
+    if not any(Path(d, "nlohmann/json.hpp").exists() for d in ("/usr/include", "/usr/local/include")):
         return "nlohmann-json (Debian: nlohmann-json3-dev) is not installed"
     try:
         from specair.compile.backends.aoti import AotiBackend
@@ -161,7 +161,8 @@ def test_bad_input_is_refused_before_anything_runs(runner, artifacts, prompts, t
     for body, needle in [('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 2\n', "bad.jsonl:2: not valid JSON"),
                          ('{"prompt": "hi"}\n', 'expected {"prompt_ids": [...]}'),
                          ('{"prompt_ids": [1, "two"]}\n', "list of integers"),
-                         ('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 49152]}\n', "token ids must be integers in [0, 49152)"),
+                         ('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 49152]}\n',
+                          "token ids must be integers in [0, 49152)"),
                          ('{"prompt_ids": [1, 2]}\n{"prompt_ids": [' + ", ".join(["1"] * 64) + "]}\n",
                           "the prompt has 64 tokens but the context holds 64"),
                          ('{"prompt_ids": []}\n', "the prompt is empty")]:

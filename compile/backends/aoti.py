@@ -287,8 +287,9 @@ class AotiBackend(Backend):
     def _digest(self, ep: Any, inputs: tuple[Tensor, ...]) -> str:
         """What the package built from this exported program would hold (see the module doc)."""
         h = hashlib.sha256()
-        h.update(json.dumps({"format": SIDECAR_FORMAT, "versions": self.versions(), "inputs": [_spec(t) for t in inputs],
-                             "options": repr(sorted(self._options().items()))}, sort_keys=True).encode())
+        h.update(json.dumps({"format": SIDECAR_FORMAT, "versions": self.versions(),
+                             "inputs": [_spec(t) for t in inputs], "options": repr(sorted(self._options().items()))},
+                            sort_keys=True).encode())
         h.update(ep.graph_module.print_readable(print_output=False, include_stride=True, include_device=True).encode())
         h.update(str(ep.graph_signature).encode())
         for name, t in sorted(ep.state_dict.items()):

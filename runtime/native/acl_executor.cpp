@@ -44,7 +44,8 @@ struct Model {
 
 class AclExecutor : public Executor {
  public:
-  AclExecutor(const Artifacts& art, fs::path om_dir, int device) : art_(art), om_dir_(std::move(om_dir)), device_(device) {
+  AclExecutor(const Artifacts& art, fs::path om_dir, int device)
+      : art_(art), om_dir_(std::move(om_dir)), device_(device) {
     check(aclInit(nullptr), "aclInit");
     check(aclrtSetDevice(device_), "aclrtSetDevice");
     check(aclrtCreateContext(&context_, device_), "aclrtCreateContext");
@@ -82,7 +83,8 @@ class AclExecutor : public Executor {
       if (t.nbytes() != m.in_size[i])
         throw std::runtime_error(graph + ".om input " + std::to_string(i) + " holds " + std::to_string(m.in_size[i]) +
                                  " bytes, the runner passes " + std::to_string(t.nbytes()));
-      check(aclrtMemcpy(m.in_dev[i], m.in_size[i], t.data_ptr(), t.nbytes(), ACL_MEMCPY_HOST_TO_DEVICE), "aclrtMemcpy");
+      check(aclrtMemcpy(m.in_dev[i], m.in_size[i], t.data_ptr(), t.nbytes(), ACL_MEMCPY_HOST_TO_DEVICE),
+            "aclrtMemcpy");
       buffers.push_back(aclCreateDataBuffer(m.in_dev[i], m.in_size[i]));
       aclmdlAddDatasetBuffer(in, buffers.back());
     }
@@ -101,7 +103,8 @@ class AclExecutor : public Executor {
       check(aclmdlGetOutputDims(m.desc, i, &dims), "aclmdlGetOutputDims");
       std::vector<int64_t> shape(dims.dims, dims.dims + dims.dimCount);
       at::Tensor t = at::empty(shape, at::TensorOptions().dtype(from_acl(aclmdlGetOutputDataType(m.desc, i))));
-      check(aclrtMemcpy(t.data_ptr(), t.nbytes(), m.out_dev[i], m.out_size[i], ACL_MEMCPY_DEVICE_TO_HOST), "aclrtMemcpy");
+      check(aclrtMemcpy(t.data_ptr(), t.nbytes(), m.out_dev[i], m.out_size[i], ACL_MEMCPY_DEVICE_TO_HOST),
+            "aclrtMemcpy");
       outputs.push_back(t);
     }
     return outputs;

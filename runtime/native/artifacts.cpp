@@ -238,7 +238,8 @@ Artifacts Artifacts::open(const fs::path& dir, const std::string& backend) {
     a.variants = plan.at("variants").get<std::vector<std::string>>();
     a.proposer = a.native.at("proposer");
   } catch (const json::exception& e) {
-    throw InputError((dir / "native.json").string() + " is corrupt (" + e.what() + "); recompile with `specair compile`");
+    throw InputError((dir / "native.json").string() + " is corrupt (" + e.what() +
+                     "); recompile with `specair compile`");
   }
   return a;
 }
@@ -295,7 +296,8 @@ std::string Artifacts::token_bytes(int64_t id) const {
   if (vocab.is_null() || id < 0 || id >= static_cast<int64_t>(vocab.size())) return "";
   const std::string& hex = vocab[id].get_ref<const std::string&>();
   std::string out(hex.size() / 2, '\0');
-  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<char>(hex_digit(hex[2 * i]) << 4 | hex_digit(hex[2 * i + 1]));
+  for (size_t i = 0; i < out.size(); ++i)
+    out[i] = static_cast<char>(hex_digit(hex[2 * i]) << 4 | hex_digit(hex[2 * i + 1]));
   return out;
 }
 

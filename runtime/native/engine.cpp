@@ -185,8 +185,12 @@ struct Runner::Impl {
         throw InputError("this specair-run cannot drive proposer protocol '" + native + "'");
       offset = art.proposer.value("offset", 0);
       reads_hidden = art.proposer.value("reads_hidden", false);
-      ngram.min_n = art.proposer.value("prompt_lookup_min", json(1)).is_null() ? 1 : art.proposer.value("prompt_lookup_min", 1);
-      ngram.max_n = art.proposer.value("prompt_lookup_max", json(1)).is_null() ? 1 : art.proposer.value("prompt_lookup_max", 1);
+      auto count = [&](const char* key) {  // null for proposers other than n-gram
+        const json v = art.proposer.value(key, json());
+        return v.is_number_integer() ? v.get<int64_t>() : int64_t{1};
+      };
+      ngram.min_n = count("prompt_lookup_min");
+      ngram.max_n = count("prompt_lookup_max");
       if (art.proposer.value("adaptive", false)) {
         adaptive.emplace();
         for (int i = 0; i < static_cast<int>(art.depths.size()); ++i) adaptive->arms.push_back(i);
@@ -565,7 +569,8 @@ Result Runner::generate(const std::vector<int64_t>& prompt, const Params& params
   s.finish.clear();
   s.variant = s.art.variant_for(variant_of(params));
   s.budget = std::min(params.max_tokens, s.art.max_context - static_cast<int64_t>(prompt.size()));
-  s.gen = at::make_generator<at::CPUGeneratorImpl>(params.seed ? *params.seed : c10::detail::getNonDeterministicRandom());
+  uint64_t seed = params.seed ? *params.seed : c10::detail::getNonDeterministicRandom();
+  s.gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   s.stats = SpecStats{0, 0, 0, std::vector<int64_t>(s.art.max_depth, 0)};
   s.prefill(on_bytes);
   auto t_first = Clock::now();

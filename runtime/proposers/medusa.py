@@ -48,5 +48,6 @@ class Medusa(LastHiddenHead):
                          {"template": template, "buffers": cat.on_device(template.buffers())}, inputs, ["tree_tokens"])
 
     def propose(self, step: Step) -> Proposal:
-        out = self.graphs(self.draft_key(step.B, step.ctx, step.variant, step.shape), hidden=self.hidden(step), root=step.root)
+        key = self.draft_key(step.B, step.ctx, step.variant, step.shape)
+        out = self.graphs(key, hidden=self.hidden(step), root=step.root)
         return Proposal(out["tree_tokens"])

@@ -46,6 +46,7 @@ class MLPSpeculatorProposer(LastHiddenHead):
                          {"k": k, "filtered": key.variant == "filtered"}, inputs, ["tree_tokens", "draft_probs"])
 
     def propose(self, step: Step) -> Proposal:
-        out = self.graphs(self.draft_key(step.B, step.ctx, step.variant, step.shape), hidden=self.hidden(step), root=step.root,
+        key = self.draft_key(step.B, step.ctx, step.variant, step.shape)
+        out = self.graphs(key, hidden=self.hidden(step), root=step.root,
                           **step.sampling, uniforms=step.uniforms(step.tree.depth))
         return Proposal(out["tree_tokens"], out["draft_probs"])
