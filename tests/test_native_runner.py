@@ -1,7 +1,7 @@
 """The native runner (`specair-run`, built by the top-level CMakeLists.txt) against the Python engine on the
 same aoti artifacts of the default model: identical greedy token ids and text for autoregressive decoding,
-n-gram, EAGLE and layer skip; identical seeded sampling; bad input refused with exit code 2 and nothing
-written to stdout.
+n-gram, EAGLE and layer skip; identical seeded sampling; continuous batching over two batch buckets equal
+to the Python engine's; bad input refused with exit code 2 and nothing written to stdout.
 
 The runner is built and the artifacts compiled once per module (one g++ build per graph: the plans are
 the smallest that run these prompts: batch 1, one 64-token context bucket, the filtered sampling variant,
@@ -65,8 +65,10 @@ def artifacts(tmp_path_factory, default_hf_dir) -> dict[str, Path]:
     jobs, out = [], {}
     for name, spec in CONFIGS.items():
         out[name] = root / name
+        # n-gram's plan also has a batch bucket of 2, for the runner's continuous batching.
         cmd = [sys.executable, "-m", "specair.runtime.cli", "compile", "--backend", "aoti", "--out", str(root / name),
-               "--max-context", "64", "--buckets", "1", "--variants", "filtered", "--prefill-chunk", "32"]
+               "--max-context", "64", "--buckets", "1,2" if name == "ngram" else "1", "--variants", "filtered",
+               "--prefill-chunk", "32"]
         if spec is not None:
             cmd += ["--speculative-config", json.dumps(spec)]
         jobs.append(cmd)
@@ -106,17 +108,25 @@ def run_native(runner: Path, art: Path, prompts: Path, *extra: str) -> list[dict
     return [json.loads(line) for line in p.stdout.splitlines()]
 
 
-def run_python(art: Path, prompts: Path, **sampling) -> list[dict]:
+def run_python(art: Path, prompts: Path, batched: bool = False, **sampling) -> list[dict]:
+    """The Python engine on the same artifacts: prompts one after another as `specair generate` runs them, or
+    (batched) all queued at once, as `LLM.generate` does."""
     from specair.runtime.build import open_engine
     from specair.runtime.cli import _stream
     from specair.runtime.params import SamplingParams
 
     engine = open_engine(None, artifacts=str(art))
-    out = []
-    for line in prompts.read_text().splitlines():
-        res = _stream(engine, json.loads(line)["prompt_ids"], SamplingParams(max_tokens=MAX_TOKENS, **sampling), False)
-        out.append(res.to_json())
-    return out
+    params = SamplingParams(max_tokens=MAX_TOKENS, **sampling)
+    ids = [json.loads(line)["prompt_ids"] for line in prompts.read_text().splitlines()]
+    if not batched:
+        return [_stream(engine, p, params, False).to_json() for p in ids]
+    rids = [engine.add_request(p, params) for p in ids]
+    results = {}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.result is not None:
+                results[ev.request_id] = ev.result.to_json()
+    return [results[r] for r in rids]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -142,6 +152,19 @@ def test_seeded_sampling_equals_python_engine(runner, artifacts, prompts, name):
     assert [r["token_ids"] for r in native] == [r["token_ids"] for r in python]
     greedy = run_native(runner, artifacts[name], prompts)
     assert [r["token_ids"] for r in native] != [r["token_ids"] for r in greedy]  # it did sample
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}], ids=["greedy", "seeded"])
+def test_continuous_batching_equals_python_engine(runner, artifacts, prompts, sampling):
+    """Two rows at a time over batch buckets 1 and 2: the same steps, rows and draws as the Python engine with
+    every prompt queued at once."""
+    flags = [x for k, v in sampling.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    native = run_native(runner, artifacts["ngram"], prompts, "--max-num-seqs", "2", *flags)
+    python = run_python(artifacts["ngram"], prompts, batched=True, **sampling)
+    assert [r["token_ids"] for r in native] == [r["token_ids"] for r in python]
+    assert [r["spec"]["accepted_per_position"] for r in native] == [r["spec"]["accepted_per_position"] for r in python]
+    assert "exceeds the largest compiled batch bucket" in _refused(
+        runner, "--artifacts", str(artifacts["ngram"]), "--prompt-ids", str(prompts), "--max-num-seqs", "4")
 
 
 def _refused(runner: Path, *args: str) -> str:

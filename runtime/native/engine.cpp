@@ -1,12 +1,13 @@
-// The step loop of runtime/engine.py for one sequence, in the smallest batch bucket (padding rows compute on
-// zeros, as in Python), with the proposers' protocols of runtime/proposers/: the n-gram index, a draft with
-// its own cache (draft model, layer skip, EAGLE, EAGLE-3) and heads on the last hidden state (Medusa,
-// MLPSpeculator). Random draws come from the request's own generator in Python's order, so a seeded
+// The step loop of runtime/engine.py: rows, batch buckets (padding rows compute on zeros), one prefill chunk
+// per step, with the proposers' protocols of runtime/proposers/: the n-gram index, a draft with its own
+// cache (draft model, layer skip, EAGLE, EAGLE-3) and heads on the last hidden state (Medusa,
+// MLPSpeculator). Each row draws its random numbers from its own generator in Python's order, so a seeded
 // sampled run gives the Python engine's tokens.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/DistributionsHelper.h>
 
 #include <chrono>
+#include <deque>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -142,62 +143,81 @@ struct Proposal {
 
 }  // namespace
 
+// One request (runtime/scheduler.py Seq, with the proposer's per-sequence state beside it).
+struct Seq {
+  size_t index = 0;  // its line in the prompts file
+  std::vector<int64_t> prompt, seq, out;  // seq: prompt + generated; its last token is not in the cache yet
+  std::string variant;  // its own sampling variant
+  at::Generator gen;
+  int64_t budget = 0, prefilled = 0;
+  NgramIndex ngram;
+  std::vector<int64_t> proposal;
+  int64_t draft_length = 0;  // entries in the draft's cache
+  at::Tensor hidden;  // cached draft: target states of pending entries [P, F]; heads: the last state [F]
+  SpecStats stats;
+  std::string finish;
+  Clock::time_point t0, t_first;
+  int64_t committed() const { return static_cast<int64_t>(seq.size()) - 1; }
+};
+
 struct Runner::Impl {
   const Artifacts& art;
   Executor& exec;
-  int64_t B;  // the batch bucket: the smallest (one sequence runs at a time)
+  int64_t num_slots, B = 0;  // B: the current batch bucket
   std::string native;  // the proposer's protocol, "" without speculation
   int64_t offset = 0;
-  bool reads_hidden = false;
+  bool reads_hidden = false, alias_scratch;
   at::ScalarType udtype;
   std::map<std::string, std::pair<at::Tensor, at::Tensor>> caches, scratch;  // by role
+  std::map<std::string, json> cache_shape;
   std::optional<Adaptive> adaptive;
-
-  // The sequence being generated.
-  std::vector<int64_t> prompt, seq, out;
   Params params;
-  std::string variant;  // the compiled variant its steps run
-  at::Generator gen;
-  int64_t budget = 0;
-  at::Tensor temperature, top_k, top_p;  // [B], padding rows: 0, 0, 1
-  at::Tensor last_tokens, positions;     // [B]
-  NgramIndex ngram;
-  std::vector<int64_t> proposal;
-  int64_t draft_length = 0;
-  at::Tensor hidden;  // cached draft: pending target states [P, F]; heads: the last state [F]
-  SpecStats stats;
-  std::string finish;
+  at::Tensor temperature, top_k, top_p, last_tokens, positions, active;  // per slot (runtime/batch_state.py)
+  std::vector<Seq*> rows;
+  std::deque<Seq*> waiting;
+  Seq* prefilling = nullptr;
+  std::function<void(size_t, const std::string&)> on_bytes;
+  std::function<void(Seq&)> on_finish;
 
-  Impl(const Artifacts& a, Executor& e) : art(a), exec(e), B(a.batch_buckets.front()) {
+  Impl(const Artifacts& a, Executor& e, int64_t max_num_seqs) : art(a), exec(e) {
+    num_slots = std::min(max_num_seqs, art.batch_buckets.back());
     udtype = art.dtype == at::kDouble ? at::kDouble : at::kFloat;  // compile/catalog.py uniform_dtype
-    const json& cfg = art.native.at("caches");
-    for (auto& [role, c] : cfg.items()) {
-      std::vector<int64_t> shape = {c.at("layers"), B, c.at("kv_heads"), art.slots, c.at("head_dim")};
-      auto opts = at::TensorOptions().dtype(art.dtype);
-      caches[role] = {at::zeros(shape, opts), at::zeros(shape, opts)};
-      shape[1] = 1;
-      // One row: prompts prefill straight into it; otherwise into a scratch row that is copied in.
-      scratch[role] = B == 1 ? caches[role] : std::make_pair(at::zeros(shape, opts), at::zeros(shape, opts));
+    // With one batch bucket of one row, prompts prefill straight into that row; else into a scratch row.
+    alias_scratch = art.batch_buckets.back() == 1;
+    for (auto& [role, c] : art.native.at("caches").items()) {
+      cache_shape[role] = c;
+      scratch[role] = {empty_cache(role, 1), empty_cache(role, 1)};
+      if (alias_scratch) caches[role] = scratch[role];
     }
+    if (alias_scratch) B = 1;
+    int64_t slots = art.batch_buckets.back();
+    auto opts = at::TensorOptions().dtype(art.dtype);
+    temperature = at::zeros({slots}, opts);
+    top_p = at::ones({slots}, opts);
+    top_k = at::zeros({slots}, at::kLong);
+    last_tokens = at::zeros({slots}, at::kLong);
+    positions = at::zeros({slots}, at::kLong);
+    active = at::zeros({slots}, at::kBool);
     if (!art.proposer.is_null()) {
       native = art.proposer.at("native");
       if (native != "ngram" && native != "cached_draft" && native != "last_hidden")
         throw InputError("this specair-run cannot drive proposer protocol '" + native + "'");
       offset = art.proposer.value("offset", 0);
       reads_hidden = art.proposer.value("reads_hidden", false);
-      auto count = [&](const char* key) {  // null for proposers other than n-gram
-        const json v = art.proposer.value(key, json());
-        return v.is_number_integer() ? v.get<int64_t>() : int64_t{1};
-      };
-      ngram.min_n = count("prompt_lookup_min");
-      ngram.max_n = count("prompt_lookup_max");
       if (art.proposer.value("adaptive", false)) {
         adaptive.emplace();
         for (int i = 0; i < static_cast<int>(art.depths.size()); ++i) adaptive->arms.push_back(i);
         adaptive->arms.push_back(-1);
-        for (int a : adaptive->arms) adaptive->rate[a] = std::nullopt;
+        for (int arm : adaptive->arms) adaptive->rate[arm] = std::nullopt;
       }
     }
+  }
+
+  at::Tensor empty_cache(const std::string& role, int64_t rows_) {
+    const json& c = cache_shape.at(role);
+    return at::zeros({c.at("layers").get<int64_t>(), rows_, c.at("kv_heads").get<int64_t>(), art.slots,
+                      c.at("head_dim").get<int64_t>()},
+                     at::TensorOptions().dtype(art.dtype));
   }
 
   // ---- graphs by name ---------------------------------------------------------------------------------
@@ -225,26 +245,31 @@ struct Runner::Impl {
 
   static bool takes(const GraphIO& io, const std::string& input) { return io.input(input) != nullptr; }
 
-  // [B, *shape] uniforms: row 0 from the request's generator (drawn as Python's torch.rand(1, *shape)),
-  // padding rows zero.
+  // [B, *shape]: each running row's draws from its own generator (Python's torch.rand(1, *shape)), zeros after.
   at::Tensor uniforms(std::vector<int64_t> shape) {
     std::vector<int64_t> one = {1};
     one.insert(one.end(), shape.begin(), shape.end());
-    at::Tensor u = at::rand(one, gen, at::TensorOptions().dtype(udtype));
     shape.insert(shape.begin(), B);
     at::Tensor all = at::zeros(shape, at::TensorOptions().dtype(udtype));
-    all[0].copy_(u[0]);
+    for (size_t i = 0; i < rows.size(); ++i)
+      all[i].copy_(at::rand(one, rows[i]->gen, at::TensorOptions().dtype(udtype))[0]);
     return all;
   }
 
-  Named sampling() { return {{"temperature", temperature}, {"top_k", top_k}, {"top_p", top_p}}; }
+  Named sampling() {
+    return {{"temperature", temperature.slice(0, 0, B)}, {"top_k", top_k.slice(0, 0, B)},
+            {"top_p", top_p.slice(0, 0, B)}};
+  }
 
-  at::Tensor longs(std::vector<int64_t> v) { return at::tensor(v, at::TensorOptions().dtype(at::kLong)); }
+  static at::Tensor longs(const std::vector<int64_t>& v) {
+    return at::tensor(v, at::TensorOptions().dtype(at::kLong));
+  }
 
-  // [B] with row 0 = x and padding rows `pad`.
-  at::Tensor row0(int64_t x, int64_t pad = 0) {
+  // [B]: f(row) for the running rows, `pad` after.
+  template <typename F>
+  at::Tensor per_row(F f, int64_t pad = 0) {
     std::vector<int64_t> v(B, pad);
-    v[0] = x;
+    for (size_t i = 0; i < rows.size(); ++i) v[i] = f(*rows[i]);
     return longs(v);
   }
 
@@ -259,86 +284,162 @@ struct Runner::Impl {
     commit(c.first, c.second, o.at(k), o.at(v), slots);
   }
 
-  at::Tensor slot_range(const at::Tensor& start, int64_t n) {
+  static at::Tensor slot_range(const at::Tensor& start, int64_t n) {
     return start.unsqueeze(1) + at::arange(n, at::TensorOptions().dtype(at::kLong));
   }
 
-  int64_t committed() const { return static_cast<int64_t>(seq.size()) - 1; }
+  // ---- rows (Engine._insert_row / _remove_row, KVSlots, BatchState) -------------------------------------
+
+  int64_t batch_bucket(int64_t n) const {
+    for (auto b : art.batch_buckets)
+      if (b >= n) return b;
+    return art.batch_buckets.back();
+  }
+
+  int64_t max_len() const {
+    int64_t m = 0;
+    for (auto* s : rows) m = std::max<int64_t>(m, s->seq.size());
+    return m;
+  }
+
+  void resize(int64_t n, int64_t used) {
+    int64_t nb = batch_bucket(std::max<int64_t>(n, 1));
+    if (nb == B) return;
+    int64_t keep = std::min({n, nb, B});
+    for (auto& [role, shape] : cache_shape) {
+      std::pair<at::Tensor, at::Tensor> fresh = {empty_cache(role, nb), empty_cache(role, nb)};
+      if (B && keep && used) {
+        fresh.first.narrow(1, 0, keep).narrow(3, 0, used).copy_(caches[role].first.narrow(1, 0, keep).narrow(3, 0, used));
+        fresh.second.narrow(1, 0, keep).narrow(3, 0, used).copy_(caches[role].second.narrow(1, 0, keep).narrow(3, 0, used));
+      }
+      caches[role] = fresh;
+    }
+    B = nb;
+  }
+
+  void set_row(int64_t i, const Seq& s) {
+    last_tokens[i] = s.seq.back();
+    positions[i] = s.committed();
+    top_k[i] = params.top_k;
+    active[i] = true;
+    temperature[i] = params.temperature;
+    top_p[i] = params.top_p;
+  }
+
+  void insert_row(Seq* s) {
+    int64_t row = static_cast<int64_t>(rows.size());
+    resize(row + 1, max_len());
+    rows.push_back(s);
+    if (!alias_scratch)
+      for (auto& [role, c] : caches) {  // KVSlots.insert: the committed length, for every role
+        c.first.select(1, row).narrow(2, 0, s->committed()).copy_(scratch[role].first.select(1, 0).narrow(2, 0, s->committed()));
+        c.second.select(1, row).narrow(2, 0, s->committed()).copy_(scratch[role].second.select(1, 0).narrow(2, 0, s->committed()));
+      }
+    set_row(row, *s);
+  }
+
+  void remove_row(int64_t i) {
+    int64_t last = static_cast<int64_t>(rows.size()) - 1;
+    if (i != last) {
+      int64_t used = static_cast<int64_t>(rows[last]->seq.size());
+      for (auto& [role, c] : caches) {
+        c.first.select(1, i).narrow(2, 0, used).copy_(c.first.select(1, last).narrow(2, 0, used));
+        c.second.select(1, i).narrow(2, 0, used).copy_(c.second.select(1, last).narrow(2, 0, used));
+      }
+      for (at::Tensor* t : {&last_tokens, &positions, &top_k, &active, &temperature, &top_p})
+        (*t)[i].copy_((*t)[last]);
+      rows[i] = rows[last];
+    }
+    rows.pop_back();
+    last_tokens[last] = 0;
+    positions[last] = 0;
+    top_k[last] = 0;
+    active[last] = false;
+    temperature[last] = 0.0;
+    top_p[last] = 1.0;
+    if (!rows.empty()) resize(static_cast<int64_t>(rows.size()), max_len());
+  }
+
+  void advance(const at::Tensor& next_tokens, const at::Tensor& num_new) {
+    at::Tensor on = active.slice(0, 0, B);
+    last_tokens.slice(0, 0, B).copy_(at::where(on, next_tokens, last_tokens.slice(0, 0, B)));
+    positions.slice(0, 0, B).add_(on * num_new);
+  }
 
   // ---- output (runtime/output.py) ----------------------------------------------------------------------
 
-  std::vector<int64_t> emit(const std::vector<int64_t>& fresh, const std::function<void(const std::string&)>& cb) {
+  void emit(Seq& s, const std::vector<int64_t>& fresh) {
     std::vector<int64_t> taken;
     for (int64_t tok : fresh) {
-      out.push_back(tok);
+      s.out.push_back(tok);
       taken.push_back(tok);
-      if (cb) cb(art.token_bytes(tok));
+      if (on_bytes) on_bytes(s.index, art.token_bytes(tok));
       bool eos = std::find(art.eos.begin(), art.eos.end(), tok) != art.eos.end();
       if (eos && !params.ignore_eos) {
-        finish = "stop";
+        s.finish = "stop";
         break;
       }
-      if (static_cast<int64_t>(out.size()) >= budget) {
-        finish = "length";
+      if (static_cast<int64_t>(s.out.size()) >= s.budget) {
+        s.finish = "length";
         break;
       }
     }
-    seq.insert(seq.end(), taken.begin(), taken.end());
-    return taken;
+    s.seq.insert(s.seq.end(), taken.begin(), taken.end());
+    if (!s.finish.empty()) on_finish(s);
   }
 
   // ---- prefill (Engine._prefill_chunk) -----------------------------------------------------------------
 
-  int64_t prefill(const std::function<void(const std::string&)>& cb) {
-    int64_t start = 0, P = static_cast<int64_t>(prompt.size());
-    Named o;
-    int64_t n = 0;
-    while (start < P) {
-      int64_t chunk = art.chunk_for(P - start);
-      n = std::min(chunk, P - start);
-      std::vector<int64_t> tok(chunk, 0);
-      std::copy(prompt.begin() + start, prompt.begin() + start + n, tok.begin());
-      at::Tensor tokens = longs(tok).view({1, chunk});
-      int64_t ctx = art.context_bucket(std::max<int64_t>(start, 1));
-      const json& graphs = art.prefill(ctx, chunk);
-      at::Tensor cache_len = longs({start});
-      Named in = kv("target", true);
-      in["tokens"] = tokens;
-      in["cache_len"] = cache_len;
-      in["n_valid"] = longs({n});
-      o = call(graphs.at("target"), in);
-      commit_role("target", o, "new_k", "new_v", slot_range(cache_len, chunk), true);
-      if (native == "cached_draft") draft_prefill_chunk(graphs.at("draft"), tokens, start, n, o.at("hidden"));
-      start += n;
+  void prefill_chunk(Seq& s) {
+    int64_t P = static_cast<int64_t>(s.prompt.size()), start = s.prefilled;
+    if (start == 0) {  // Proposer.start
+      s.t0 = Clock::now();
+      s.ngram = NgramIndex{s.ngram.min_n, s.ngram.max_n, {}, {}};
+      s.draft_length = 0;
     }
-    at::Tensor first_logits = o.at("logits");
+    int64_t chunk = art.chunk_for(P - start), n = std::min(chunk, P - start);
+    std::vector<int64_t> tok(chunk, 0);
+    std::copy(s.prompt.begin() + start, s.prompt.begin() + start + n, tok.begin());
+    at::Tensor tokens = longs(tok).view({1, chunk});
+    int64_t ctx = art.context_bucket(std::max<int64_t>(start, 1));
+    const json& graphs = art.prefill(ctx, chunk);
+    at::Tensor cache_len = longs({start});
+    Named in = kv("target", true);
+    in["tokens"] = tokens;
+    in["cache_len"] = cache_len;
+    in["n_valid"] = longs({n});
+    Named o = call(graphs.at("target"), in);
+    commit_role("target", o, "new_k", "new_v", slot_range(cache_len, chunk), true);
+    if (native == "cached_draft") draft_prefill_chunk(s, graphs.at("draft"), tokens, start, n, o.at("hidden"));
+    s.prefilled += n;
+    if (s.prefilled < P) return;
+    prefilling = nullptr;
     auto opts = at::TensorOptions().dtype(art.dtype);
-    at::Tensor u = at::rand({1}, gen, at::TensorOptions().dtype(udtype));
-    int64_t first = sample(first_logits, at::full({1}, params.temperature, opts), longs({params.top_k}),
-                           at::full({1}, params.top_p, opts), u, variant_of(params))
+    at::Tensor u = at::rand({1}, s.gen, at::TensorOptions().dtype(udtype));
+    int64_t first = sample(o.at("logits"), at::full({1}, params.temperature, opts), longs({params.top_k}),
+                           at::full({1}, params.top_p, opts), u, s.variant)
                         .item<int64_t>();
-    seq = prompt;
+    s.t_first = Clock::now();
+    s.seq = s.prompt;
     at::Tensor last_hidden = o.at("hidden")[0][n - 1];
     if (native == "cached_draft") {
-      draft_length = P - offset;
-      if (reads_hidden) hidden = last_hidden.unsqueeze(0);
+      s.draft_length = P - offset;
+      if (reads_hidden) s.hidden = last_hidden.unsqueeze(0);
     } else if (native == "last_hidden") {
-      hidden = last_hidden;
-    } else if (native == "ngram") {
-      ngram = NgramIndex{ngram.min_n, ngram.max_n, {}, {}};
+      s.hidden = last_hidden;
     }
-    emit({first}, cb);
-    return first;
+    emit(s, {first});
+    if (s.finish.empty()) insert_row(&s);
   }
 
-  void draft_prefill_chunk(const std::string& name, at::Tensor tokens, int64_t start, int64_t n,
+  void draft_prefill_chunk(Seq& s, const std::string& name, at::Tensor tokens, int64_t start, int64_t n,
                            const at::Tensor& target_hidden) {
-    int64_t chunk = tokens.size(1), P = static_cast<int64_t>(prompt.size());
+    int64_t chunk = tokens.size(1), P = static_cast<int64_t>(s.prompt.size());
     int64_t m = std::min(n, P - offset - start);
     if (m <= 0) return;
     if (offset) {
       std::vector<int64_t> shifted(chunk, 0);
-      std::copy(prompt.begin() + start + offset, prompt.begin() + start + offset + m, shifted.begin());
+      std::copy(s.prompt.begin() + start + offset, s.prompt.begin() + start + offset + m, shifted.begin());
       tokens = longs(shifted).view({1, chunk});
     }
     at::Tensor cache_len = longs({start});
@@ -351,148 +452,164 @@ struct Runner::Impl {
     commit_role("draft", o, "new_k", "new_v", slot_range(cache_len, chunk), true);
   }
 
-  void insert_row() {
-    for (auto& [role, c] : caches) {
-      auto& s = scratch.at(role);
-      if (s.first.data_ptr() == c.first.data_ptr()) continue;
-      int64_t used = committed();  // KVSlots.insert copies the target's committed length for every role
-      c.first.select(1, 0).narrow(2, 0, used).copy_(s.first.select(1, 0).narrow(2, 0, used));
-      c.second.select(1, 0).narrow(2, 0, used).copy_(s.second.select(1, 0).narrow(2, 0, used));
-    }
-    auto opts = at::TensorOptions().dtype(art.dtype);
-    temperature = at::zeros({B}, opts);
-    temperature[0] = params.temperature;
-    top_p = at::ones({B}, opts);
-    top_p[0] = params.top_p;
-    top_k = row0(params.top_k);
-    last_tokens = row0(seq.back());
-    positions = row0(committed());
-  }
-
-  void advance(const at::Tensor& next_tokens, const at::Tensor& num_new) {
-    last_tokens[0] = next_tokens[0];
-    positions[0] += num_new[0];
-  }
-
   // ---- decoding (Engine._decode) -----------------------------------------------------------------------
 
-  bool speculates() const {  // Scheduler.speculates for one row
+  bool speculates() const {  // Scheduler.speculates
     if (native.empty()) return false;
-    const json& dbbs = art.proposer.value("disable_by_batch_size", json());
-    if (!dbbs.is_null() && 1 > dbbs.get<int64_t>()) return false;
-    if (static_cast<int64_t>(seq.size()) + art.max_depth > art.max_context) return false;
-    return budget - static_cast<int64_t>(out.size()) > 1;
+    const json dbbs = art.proposer.value("disable_by_batch_size", json());
+    if (dbbs.is_number_integer() && static_cast<int64_t>(rows.size()) > dbbs.get<int64_t>()) return false;
+    bool room = false;
+    for (auto* s : rows) {
+      if (static_cast<int64_t>(s->seq.size()) + art.max_depth > art.max_context) return false;
+      room = room || s->budget - static_cast<int64_t>(s->out.size()) > 1;
+    }
+    return room;
   }
 
   bool can_speculate() {
     if (native != "ngram") return true;
-    ngram.extend(seq);
-    proposal = ngram.propose(art.max_depth);
-    return !proposal.empty();
+    bool any = false;
+    for (auto* s : rows) {
+      s->ngram.extend(s->seq);
+      s->proposal = s->ngram.propose(art.max_depth);
+      any = any || !s->proposal.empty();
+    }
+    return any;
   }
 
-  std::vector<int64_t> plain_step(int64_t ctx) {
-    const json& step = art.step(B, ctx, variant, std::nullopt);
+  int64_t context_bucket() const {
+    int64_t m = 1;
+    for (auto* s : rows) m = std::max(m, s->committed());
+    return art.context_bucket(m);
+  }
+
+  std::vector<std::vector<int64_t>> plain_step(const std::string& variant) {
+    const json& step = art.step(B, context_bucket(), variant, std::nullopt);
+    at::Tensor pos = positions.slice(0, 0, B);
     Named in = kv("target");
     in.merge(sampling());
-    in["tokens"] = last_tokens;
-    in["cache_len"] = positions;
+    in["tokens"] = last_tokens.slice(0, 0, B);
+    in["cache_len"] = pos;
     in["uniform"] = uniforms({});
     Named o = call(step.at("decode"), in);
-    commit_role("target", o, "new_k", "new_v", positions.unsqueeze(1));
+    commit_role("target", o, "new_k", "new_v", pos.unsqueeze(1));
     at::Tensor nxt = o.at("next_tokens");
-    advance(nxt, longs(std::vector<int64_t>(B, 1)));
-    if (native == "cached_draft" && reads_hidden) hidden = at::cat({hidden, o.at("hidden").slice(0, 0, 1)});
-    if (native == "last_hidden") hidden = o.at("hidden")[0];
-    return {nxt[0].item<int64_t>()};
+    advance(nxt, at::ones({B}, at::kLong));
+    at::Tensor hidden = o.at("hidden");
+    std::vector<std::vector<int64_t>> out;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      Seq& s = *rows[i];
+      if (native == "cached_draft" && reads_hidden) s.hidden = at::cat({s.hidden, hidden.slice(0, i, i + 1)});
+      if (native == "last_hidden") s.hidden = hidden[i];
+      out.push_back({nxt[i].item<int64_t>()});
+    }
+    return out;
   }
 
-  std::vector<int64_t> pending() const {
-    return std::vector<int64_t>(seq.begin() + std::min<int64_t>(draft_length + offset, seq.size()), seq.end());
+  std::vector<int64_t> pending(const Seq& s) const {
+    size_t from = std::min<size_t>(s.draft_length + offset, s.seq.size());
+    return std::vector<int64_t>(s.seq.begin() + from, s.seq.end());
   }
 
-  // CachedDraft.sync: bring the draft's cache within one catch-up (D+1 entries) of the sequence.
-  void sync(int64_t D) {
+  // CachedDraft.sync: bring every row's draft cache within one catch-up (D+1 entries) of its sequence.
+  void sync(int64_t D, const std::string& variant) {
     int64_t chunk = art.chunk_buckets.back();
     while (true) {
-      int64_t lag = static_cast<int64_t>(pending().size());
-      if (lag <= D + 1) return;
-      int64_t n = std::min(lag - 1, chunk);
+      std::vector<int64_t> n(B, 0);
+      bool behind = false;
+      for (size_t i = 0; i < rows.size(); ++i) {
+        int64_t lag = static_cast<int64_t>(pending(*rows[i]).size());
+        if (lag > D + 1) n[i] = std::min(lag - 1, chunk), behind = true;
+      }
+      if (!behind) return;
       std::vector<int64_t> tok(B * chunk, 0);
-      auto p = pending();
-      std::copy(p.begin(), p.begin() + n, tok.begin());
-      at::Tensor start = row0(draft_length);
-      std::string name = art.step(B, art.context_bucket(std::max<int64_t>(draft_length, 1)), variant, 0).at("sync");
+      int64_t longest = 1;
+      for (size_t i = 0; i < rows.size(); ++i) {
+        auto p = pending(*rows[i]);
+        std::copy(p.begin(), p.begin() + n[i], tok.begin() + i * chunk);
+        longest = std::max(longest, rows[i]->draft_length);
+      }
+      at::Tensor start = per_row([](const Seq& s) { return s.draft_length; });
+      std::string name = art.step(B, art.context_bucket(longest), variant, 0).at("sync");
       Named in = kv("draft");
       in["tokens"] = longs(tok).view({B, chunk});
       in["cache_len"] = start;
-      in["n_valid"] = row0(n);
+      in["n_valid"] = longs(n);
       if (reads_hidden) {
-        const InputSpec* s = art.graph(name).input("input_hidden");
-        at::Tensor h = at::zeros(s->shape, at::TensorOptions().dtype(s->dtype));
-        h[0].narrow(0, 0, n).copy_(hidden.narrow(0, 0, n));
+        const InputSpec* spec = art.graph(name).input("input_hidden");
+        at::Tensor h = at::zeros(spec->shape, at::TensorOptions().dtype(spec->dtype));
+        for (size_t i = 0; i < rows.size(); ++i)
+          if (n[i]) h[i].narrow(0, 0, n[i]).copy_(rows[i]->hidden.narrow(0, 0, n[i]));
         in["input_hidden"] = h;
       }
       Named o = call(name, in);
       commit_role("draft", o, "new_k", "new_v", slot_range(start, chunk));
-      draft_length += n;
-      if (reads_hidden) hidden = hidden.slice(0, n);
+      for (size_t i = 0; i < rows.size(); ++i) {
+        rows[i]->draft_length += n[i];
+        if (reads_hidden) rows[i]->hidden = rows[i]->hidden.slice(0, n[i]);
+      }
     }
   }
 
-  Proposal propose(const json& step, int64_t D) {
+  Proposal propose(const json& step, int64_t D, const std::string& variant) {
     if (native == "ngram") {
       std::vector<int64_t> tok(B * (D + 1), 0);
-      for (int64_t j = 0; j < std::min<int64_t>(proposal.size(), D); ++j) tok[1 + j] = proposal[j];
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const auto& p = rows[i]->proposal;
+        for (int64_t j = 0; j < std::min<int64_t>(p.size(), D); ++j) tok[i * (D + 1) + 1 + j] = p[j];
+      }
       at::Tensor tokens = longs(tok).view({B, D + 1});
-      tokens.select(1, 0).copy_(last_tokens);
+      tokens.select(1, 0).copy_(last_tokens.slice(0, 0, B));
       return {tokens, {}, {}};
     }
     std::string name = step.at("draft");
     const GraphIO& io = art.graph(name);
     Named in;
     if (native == "last_hidden") {
-      const InputSpec* s = io.input("hidden");
-      at::Tensor h = at::zeros(s->shape, at::TensorOptions().dtype(s->dtype));
-      h[0].copy_(hidden);
+      const InputSpec* spec = io.input("hidden");
+      at::Tensor h = at::zeros(spec->shape, at::TensorOptions().dtype(spec->dtype));
+      for (size_t i = 0; i < rows.size(); ++i) h[i].copy_(rows[i]->hidden);
       in["hidden"] = h;
-      in["root"] = last_tokens;
+      in["root"] = last_tokens.slice(0, 0, B);
       if (takes(io, "temperature")) in.merge(sampling());
       if (takes(io, "uniforms")) in["uniforms"] = uniforms({D});
       Named o = call(name, in);
       return {o.at("tree_tokens"), o.count("draft_probs") ? o.at("draft_probs") : at::Tensor(), {}};
     }
-    sync(D);
-    auto p = pending();
+    sync(D, variant);
     std::vector<int64_t> catch_tokens(B * (D + 1), 0);
-    std::copy(p.begin(), p.end(), catch_tokens.begin());
-    std::vector<int64_t> n_catch(B, 1);
-    n_catch[0] = static_cast<int64_t>(p.size());
-    at::Tensor draft_len = row0(draft_length);
+    std::vector<int64_t> caught(rows.size());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      auto p = pending(*rows[i]);
+      std::copy(p.begin(), p.end(), catch_tokens.begin() + i * (D + 1));
+      caught[i] = static_cast<int64_t>(p.size());
+    }
+    at::Tensor draft_len = per_row([](const Seq& s) { return s.draft_length; });
     in = kv("draft");
     in["catch_tokens"] = longs(catch_tokens).view({B, D + 1});
-    in["n_catch"] = longs(n_catch);
+    size_t row = 0;
+    in["n_catch"] = per_row([&](const Seq&) { return caught[row++]; }, 1);
     in["draft_len"] = draft_len;
     if (takes(io, "temperature")) in.merge(sampling());
     if (takes(io, "uniforms")) in["uniforms"] = uniforms({D});
     if (reads_hidden) {
-      const InputSpec* s = io.input("catch_hidden");
-      at::Tensor h = at::zeros(s->shape, at::TensorOptions().dtype(s->dtype));
-      h[0].narrow(0, 0, hidden.size(0)).copy_(hidden);
+      const InputSpec* spec = io.input("catch_hidden");
+      at::Tensor h = at::zeros(spec->shape, at::TensorOptions().dtype(spec->dtype));
+      for (size_t i = 0; i < rows.size(); ++i) h[i].narrow(0, 0, rows[i]->hidden.size(0)).copy_(rows[i]->hidden);
       in["catch_hidden"] = h;
     }
     Named o = call(name, in);
     commit_role("draft", o, "catch_k", "catch_v", slot_range(draft_len, D + 1));
-    draft_length += static_cast<int64_t>(p.size());
+    for (size_t i = 0; i < rows.size(); ++i) rows[i]->draft_length += caught[i];
     return {o.at("tree_tokens"), o.count("draft_probs") ? o.at("draft_probs") : at::Tensor(),
             o.count("parents") ? o.at("parents") : at::Tensor()};
   }
 
-  std::vector<int64_t> speculative_step(int64_t ctx, int shape) {
+  std::vector<std::vector<int64_t>> speculative_step(const std::string& variant, int shape) {
     int64_t D = art.depths.at(shape);
-    const json& step = art.step(B, ctx, variant, shape);
-    at::Tensor root_pos = positions.clone();
-    Proposal prop = propose(step, D);
+    const json& step = art.step(B, context_bucket(), variant, shape);
+    at::Tensor root_pos = positions.slice(0, 0, B).clone();
+    Proposal prop = propose(step, D, variant);
     std::string name = step.at("verify");
     const GraphIO& io = art.graph(name);
     Named in = kv("target");
@@ -506,36 +623,61 @@ struct Runner::Impl {
     commit_role("target", o, "path_k", "path_v", slot_range(root_pos, D + 1));
     at::Tensor n_acc = o.at("num_accepted"), tokens = o.at("tokens");
     advance(tokens.gather(1, n_acc.unsqueeze(1)).squeeze(1), n_acc + 1);
-    std::vector<int64_t> toks;
-    for (int64_t j = 0; j < tokens.size(1); ++j) {
-      int64_t t = tokens[0][j].item<int64_t>();
-      if (t >= 0) toks.push_back(t);
-    }
-    int64_t accepted = static_cast<int64_t>(toks.size()) - 1;
-    stats.drafts += 1;
-    stats.draft_tokens += D;
-    stats.accepted += accepted;
-    for (int64_t j = 0; j < accepted; ++j) stats.per_position[j] += 1;
     at::Tensor path_hidden = o.at("path_hidden");
-    if (native == "cached_draft" && reads_hidden) hidden = path_hidden[0].slice(0, 0, accepted + 1);
-    if (native == "last_hidden") hidden = path_hidden[0][accepted];
-    return toks;
+    auto acc = tokens.accessor<int64_t, 2>();
+    std::vector<std::vector<int64_t>> out;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      Seq& s = *rows[i];
+      std::vector<int64_t> toks;
+      for (int64_t j = 0; j < tokens.size(1); ++j)
+        if (acc[i][j] >= 0) toks.push_back(acc[i][j]);
+      int64_t accepted = static_cast<int64_t>(toks.size()) - 1;
+      s.stats.drafts += 1;
+      s.stats.draft_tokens += D;
+      s.stats.accepted += accepted;
+      for (int64_t j = 0; j < accepted; ++j) s.stats.per_position[j] += 1;
+      if (native == "cached_draft" && reads_hidden) s.hidden = path_hidden[i].slice(0, 0, accepted + 1);
+      if (native == "last_hidden") s.hidden = path_hidden[i][accepted];
+      out.push_back(std::move(toks));
+    }
+    return out;
   }
 
-  std::vector<int64_t> decode_step() {
-    int64_t ctx = art.context_bucket(std::max<int64_t>(committed(), 1));
+  void decode() {
+    static const std::vector<std::string> order = {"greedy", "plain", "filtered"};
+    size_t wanted = 0;
+    for (auto* s : rows)
+      wanted = std::max<size_t>(wanted, std::find(order.begin(), order.end(), s->variant) - order.begin());
+    std::string variant = art.variant_for(order[wanted]);
     bool speculate = speculates() && can_speculate();
     int shape = speculate ? 0 : -1;
     bool choose = speculate && adaptive && variant == "greedy";
     if (choose) shape = adaptive->choose();
     auto t0 = Clock::now();
-    std::vector<int64_t> toks = shape < 0 ? plain_step(ctx) : speculative_step(ctx, shape);
-    if (choose) adaptive->record(shape, static_cast<int64_t>(toks.size()), seconds(t0, Clock::now()));
-    return toks;
+    auto toks = shape < 0 ? plain_step(variant) : speculative_step(variant, shape);
+    if (choose) {
+      int64_t n = 0;
+      for (const auto& t : toks) n += static_cast<int64_t>(t.size());
+      adaptive->record(shape, n, seconds(t0, Clock::now()));
+    }
+    std::vector<Seq*> stepped = rows;
+    for (size_t i = 0; i < stepped.size(); ++i) emit(*stepped[i], toks[i]);
+    for (int64_t i = static_cast<int64_t>(rows.size()) - 1; i >= 0; --i)
+      if (!rows[i]->finish.empty()) remove_row(i);
+  }
+
+  void step() {  // Engine.step
+    if (!rows.empty()) decode();
+    if (!prefilling && !waiting.empty() && static_cast<int64_t>(rows.size()) < num_slots) {
+      prefilling = waiting.front();
+      waiting.pop_front();
+    }
+    if (prefilling) prefill_chunk(*prefilling);
   }
 };
 
-Runner::Runner(const Artifacts& art, Executor& exec) : impl_(std::make_unique<Impl>(art, exec)) {}
+Runner::Runner(const Artifacts& art, Executor& exec, int64_t max_num_seqs)
+    : impl_(std::make_unique<Impl>(art, exec, max_num_seqs)) {}
 Runner::~Runner() = default;
 
 void Runner::check(const std::vector<int64_t>& prompt, const Params& p) const {
@@ -558,40 +700,52 @@ void Runner::check(const std::vector<int64_t>& prompt, const Params& p) const {
                      "'rejection' to sample exactly");
 }
 
-Result Runner::generate(const std::vector<int64_t>& prompt, const Params& params,
-                        const std::function<void(const std::string&)>& on_bytes) {
-  check(prompt, params);
-  Impl& s = *impl_;
-  auto t0 = Clock::now();
-  s.prompt = prompt;
-  s.params = params;
-  s.out.clear();
-  s.finish.clear();
-  s.variant = s.art.variant_for(variant_of(params));
-  s.budget = std::min(params.max_tokens, s.art.max_context - static_cast<int64_t>(prompt.size()));
-  uint64_t seed = params.seed ? *params.seed : c10::detail::getNonDeterministicRandom();
-  s.gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  s.stats = SpecStats{0, 0, 0, std::vector<int64_t>(s.art.max_depth, 0)};
-  s.prefill(on_bytes);
-  auto t_first = Clock::now();
-  if (s.finish.empty()) s.insert_row();
-  while (s.finish.empty()) s.emit(s.decode_step(), on_bytes);
-  auto t_end = Clock::now();
-
-  Result r;
-  r.token_ids = s.out;
-  std::string bytes;
-  for (auto t : s.out) bytes += s.art.token_bytes(t);
-  r.text = utf8_lossy(bytes);
-  r.finish_reason = s.finish;
-  r.num_prompt_tokens = static_cast<int64_t>(prompt.size());
-  r.ttft_s = seconds(t0, t_first);
-  int64_t n = static_cast<int64_t>(s.out.size());
-  double dt = seconds(t_first, t_end);
-  r.decode_tokens_per_s = n > 1 && dt > 0 ? (n - 1) / dt : 0.0;
-  r.prefill_tokens_per_s = r.ttft_s > 0 ? prompt.size() / r.ttft_s : 0.0;
-  if (!s.native.empty()) r.spec = s.stats;
-  return r;
+std::vector<Result> Runner::generate(const std::vector<std::vector<int64_t>>& prompts, const Params& params,
+                                     const std::function<void(size_t, const std::string&)>& on_bytes,
+                                     const std::function<void(size_t, const Result&)>& on_result) {
+  for (const auto& p : prompts) check(p, params);
+  Impl& e = *impl_;
+  e.params = params;
+  e.on_bytes = on_bytes;
+  std::vector<Seq> seqs(prompts.size());
+  std::vector<Result> results(prompts.size());
+  e.on_finish = [&](Seq& s) {
+    auto t_end = Clock::now();
+    Result& r = results[s.index];
+    r.token_ids = s.out;
+    std::string bytes;
+    for (auto t : s.out) bytes += e.art.token_bytes(t);
+    r.text = utf8_lossy(bytes);
+    r.finish_reason = s.finish;
+    r.num_prompt_tokens = static_cast<int64_t>(s.prompt.size());
+    r.ttft_s = seconds(s.t0, s.t_first);
+    int64_t n = static_cast<int64_t>(s.out.size());
+    double dt = seconds(s.t_first, t_end);
+    r.decode_tokens_per_s = n > 1 && dt > 0 ? (n - 1) / dt : 0.0;
+    r.prefill_tokens_per_s = r.ttft_s > 0 ? s.prompt.size() / r.ttft_s : 0.0;
+    if (!e.native.empty()) r.spec = s.stats;
+    if (on_result) on_result(s.index, r);
+  };
+  const json& proposer = e.art.proposer;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    Seq& s = seqs[i];
+    s.index = i;
+    s.prompt = prompts[i];
+    s.variant = variant_of(params);
+    s.budget = std::min(params.max_tokens, e.art.max_context - static_cast<int64_t>(s.prompt.size()));
+    uint64_t seed = params.seed ? *params.seed : c10::detail::getNonDeterministicRandom();
+    s.gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    s.stats = SpecStats{0, 0, 0, std::vector<int64_t>(e.art.max_depth, 0)};
+    auto count = [&](const char* key) {  // null for proposers other than n-gram
+      const json v = proposer.is_null() ? json() : proposer.value(key, json());
+      return v.is_number_integer() ? v.get<int64_t>() : int64_t{1};
+    };
+    s.ngram.min_n = count("prompt_lookup_min");
+    s.ngram.max_n = count("prompt_lookup_max");
+    e.waiting.push_back(&s);
+  }
+  while (!e.rows.empty() || e.prefilling || !e.waiting.empty()) e.step();
+  return results;
 }
 
 }  // namespace specair

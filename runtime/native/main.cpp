@@ -1,8 +1,10 @@
 // specair-run --artifacts DIR --prompt-ids FILE.jsonl [--max-tokens N] [--temperature T --top-p P --top-k K
-//             --seed S] [--ignore-eos] [--threads N] [--json] [--executor aoti|acl --om-dir DIR --device N]
+//             --seed S] [--ignore-eos] [--threads N] [--max-num-seqs N] [--json]
+//             [--executor aoti|acl --om-dir DIR --device N]
 //
-// Mirrors `specair generate --prompt-ids`: one {"prompt_ids": [...]} per line in, one result per prompt out.
-// Every line and every prompt is checked before the first graph runs, so bad input writes nothing.
+// Mirrors `specair generate --prompt-ids`: one {"prompt_ids": [...]} per line in, one result per prompt out,
+// in prompt order. Every line and every prompt is checked before the first graph runs, so bad input writes
+// nothing.
 #include <ATen/Parallel.h>
 
 #include <chrono>
@@ -18,12 +20,14 @@ namespace {
 
 const char* kUsage =
     "usage: specair-run --artifacts DIR --prompt-ids FILE.jsonl [--max-tokens N] [--temperature T] [--top-p P] "
-    "[--top-k K] [--seed S] [--ignore-eos] [--threads N] [--json] [--executor aoti|acl] [--om-dir DIR] [--device N]";
+    "[--top-k K] [--seed S] [--ignore-eos] [--threads N] [--max-num-seqs N] [--json] [--executor aoti|acl] "
+    "[--om-dir DIR] [--device N]";
 
 struct Args {
   std::string artifacts, prompt_ids, executor = "aoti", om_dir;
   Params params;
   int threads = 0, device = 0;
+  int64_t max_num_seqs = 1;
   bool json_out = false;
 };
 
@@ -65,6 +69,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--ignore-eos") a.params.ignore_eos = true;
     else if (flag == "--threads") a.threads = number<int>(flag, value());
     else if (flag == "--json") a.json_out = true;
+    else if (flag == "--max-num-seqs") a.max_num_seqs = number<int64_t>(flag, value());
     else if (flag == "--executor") a.executor = value();
     else if (flag == "--om-dir") a.om_dir = value();
     else if (flag == "--device") a.device = number<int>(flag, value());
@@ -78,6 +83,7 @@ Args parse(int argc, char** argv) {
   if (a.artifacts.empty() || a.prompt_ids.empty()) throw InputError("--artifacts and --prompt-ids are required");
   if (a.executor != "aoti" && a.executor != "acl") throw InputError("--executor must be aoti or acl");
   if (a.threads < 0) throw InputError("--threads must be positive");
+  if (a.max_num_seqs < 1) throw InputError("--max-num-seqs must be positive");
   return a;
 }
 
@@ -148,25 +154,37 @@ int main(int argc, char** argv) {
     } else {
       exec = aoti_executor(art);
     }
-    Runner runner(art, *exec);
+    if (args.max_num_seqs > art.batch_buckets.back())
+      throw InputError("--max-num-seqs " + std::to_string(args.max_num_seqs) + " exceeds the largest compiled batch "
+                       "bucket (" + std::to_string(art.batch_buckets.back()) + "); recompile with larger --buckets");
+    Runner runner(art, *exec, args.max_num_seqs);
     for (const auto& p : prompts) runner.check(p, args.params);
-    for (const auto& p : prompts) {
-      std::function<void(const std::string&)> stream;
-      if (!args.json_out) stream = [](const std::string& bytes) { std::cout << bytes << std::flush; };
-      Result r = runner.generate(p, args.params, stream);
-      if (args.json_out) {
-        std::cout << to_json(r, art.manifest.at("backend")).dump(-1, ' ', false, json::error_handler_t::replace)
-                  << std::endl;
-      } else {
+    std::string backend = art.manifest.at("backend");
+    // Results print in prompt order: each as soon as every earlier one has.
+    std::vector<std::optional<Result>> done(prompts.size());
+    size_t printed = 0;
+    auto on_result = [&](size_t i, const Result& r) {
+      done[i] = r;
+      for (; printed < done.size() && done[printed]; ++printed) {
+        const Result& x = *done[printed];
+        if (args.json_out) {
+          std::cout << to_json(x, backend).dump(-1, ' ', false, json::error_handler_t::replace) << std::endl;
+          continue;
+        }
+        if (args.max_num_seqs > 1) std::cout << x.text;
         std::cout << std::endl;
-        std::cerr << "[" << r.num_prompt_tokens << " prompt tokens, ttft " << int(r.ttft_s * 1000) << " ms | "
-                  << r.token_ids.size() << " generated, " << r.decode_tokens_per_s << " tok/s decode";
-        if (r.spec)
-          std::cerr << " | " << double(r.spec->accepted + r.spec->drafts) / std::max<int64_t>(r.spec->drafts, 1)
+        std::cerr << "[" << x.num_prompt_tokens << " prompt tokens, ttft " << int(x.ttft_s * 1000) << " ms | "
+                  << x.token_ids.size() << " generated, " << x.decode_tokens_per_s << " tok/s decode";
+        if (x.spec)
+          std::cerr << " | " << double(x.spec->accepted + x.spec->drafts) / std::max<int64_t>(x.spec->drafts, 1)
                     << " tokens per target pass";
-        std::cerr << " | finish: " << r.finish_reason << "]" << std::endl;
+        std::cerr << " | finish: " << x.finish_reason << "]" << std::endl;
       }
-    }
+    };
+    std::function<void(size_t, const std::string&)> stream;  // text as it comes, one sequence at a time
+    if (!args.json_out && args.max_num_seqs == 1)
+      stream = [](size_t, const std::string& bytes) { std::cout << bytes << std::flush; };
+    runner.generate(prompts, args.params, stream, on_result);
   } catch (const InputError& e) {
     std::cerr << "specair-run: error: " << e.what() << std::endl;
     return 2;

@@ -102,16 +102,20 @@ struct Result {
   std::optional<SpecStats> spec;
 };
 
-// The Python engine's loop for one sequence at a time, in the smallest batch bucket: chunked prefill,
-// then decode steps or speculative steps (propose → verify-and-accept → commit).
+// The Python engine's loop (runtime/engine.py): continuous batching of up to `max_num_seqs` sequences over
+// the plan's batch buckets; each step a decode or speculative step over the running rows (propose →
+// verify-and-accept → commit), then one prefill chunk of the next prompt.
 class Runner {
  public:
-  Runner(const Artifacts& art, Executor& exec);
+  Runner(const Artifacts& art, Executor& exec, int64_t max_num_seqs = 1);
   ~Runner();
   // Raises InputError for a prompt the artifacts cannot take (checked before anything runs).
   void check(const std::vector<int64_t>& prompt, const Params& params) const;
-  Result generate(const std::vector<int64_t>& prompt, const Params& params,
-                  const std::function<void(const std::string&)>& on_bytes = nullptr);
+  // Every prompt to its end; results in prompt order. on_bytes(i, bytes) streams prompt i's text as its
+  // tokens come, on_result(i, result) reports it when it finishes.
+  std::vector<Result> generate(const std::vector<std::vector<int64_t>>& prompts, const Params& params,
+                               const std::function<void(size_t, const std::string&)>& on_bytes = nullptr,
+                               const std::function<void(size_t, const Result&)>& on_result = nullptr);
 
  private:
   struct Impl;
