@@ -302,15 +302,20 @@ struct Runner::Impl {
     return m;
   }
 
+  // dst[:, d, :, :used] = src[:, s, :, :used]: one row's first `used` cache slots.
+  static void copy_slots(const at::Tensor& dst, int64_t d, const at::Tensor& src, int64_t s, int64_t used) {
+    dst.select(1, d).narrow(2, 0, used).copy_(src.select(1, s).narrow(2, 0, used));
+  }
+
   void resize(int64_t n, int64_t used) {
     int64_t nb = batch_bucket(std::max<int64_t>(n, 1));
     if (nb == B) return;
     int64_t keep = std::min({n, nb, B});
     for (auto& [role, shape] : cache_shape) {
       std::pair<at::Tensor, at::Tensor> fresh = {empty_cache(role, nb), empty_cache(role, nb)};
-      if (B && keep && used) {
-        fresh.first.narrow(1, 0, keep).narrow(3, 0, used).copy_(caches[role].first.narrow(1, 0, keep).narrow(3, 0, used));
-        fresh.second.narrow(1, 0, keep).narrow(3, 0, used).copy_(caches[role].second.narrow(1, 0, keep).narrow(3, 0, used));
+      for (int64_t i = 0; B && used && i < keep; ++i) {
+        copy_slots(fresh.first, i, caches[role].first, i, used);
+        copy_slots(fresh.second, i, caches[role].second, i, used);
       }
       caches[role] = fresh;
     }
@@ -332,8 +337,8 @@ struct Runner::Impl {
     rows.push_back(s);
     if (!alias_scratch)
       for (auto& [role, c] : caches) {  // KVSlots.insert: the committed length, for every role
-        c.first.select(1, row).narrow(2, 0, s->committed()).copy_(scratch[role].first.select(1, 0).narrow(2, 0, s->committed()));
-        c.second.select(1, row).narrow(2, 0, s->committed()).copy_(scratch[role].second.select(1, 0).narrow(2, 0, s->committed()));
+        copy_slots(c.first, row, scratch[role].first, 0, s->committed());
+        copy_slots(c.second, row, scratch[role].second, 0, s->committed());
       }
     set_row(row, *s);
   }
@@ -343,8 +348,8 @@ struct Runner::Impl {
     if (i != last) {
       int64_t used = static_cast<int64_t>(rows[last]->seq.size());
       for (auto& [role, c] : caches) {
-        c.first.select(1, i).narrow(2, 0, used).copy_(c.first.select(1, last).narrow(2, 0, used));
-        c.second.select(1, i).narrow(2, 0, used).copy_(c.second.select(1, last).narrow(2, 0, used));
+        copy_slots(c.first, i, c.first, last, used);
+        copy_slots(c.second, i, c.second, last, used);
       }
       for (at::Tensor* t : {&last_tokens, &positions, &top_k, &active, &temperature, &top_p})
         (*t)[i].copy_((*t)[last]);
@@ -585,10 +590,11 @@ struct Runner::Impl {
       caught[i] = static_cast<int64_t>(p.size());
     }
     at::Tensor draft_len = per_row([](const Seq& s) { return s.draft_length; });
+    std::vector<int64_t> n_catch(B, 1);  // padding rows catch up one entry, as in Python
+    std::copy(caught.begin(), caught.end(), n_catch.begin());
     in = kv("draft");
     in["catch_tokens"] = longs(catch_tokens).view({B, D + 1});
-    size_t row = 0;
-    in["n_catch"] = per_row([&](const Seq&) { return caught[row++]; }, 1);
+    in["n_catch"] = longs(n_catch);
     in["draft_len"] = draft_len;
     if (takes(io, "temperature")) in.merge(sampling());
     if (takes(io, "uniforms")) in["uniforms"] = uniforms({D});
