@@ -123,6 +123,30 @@ class Tokenizer:
         """The text of `ids` (special tokens dropped unless `skip_special_tokens=False`)."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, vocab_size: int) -> tuple[list[bytes], str]:
+        """Each token id's bytes (empty for special tokens, which decoding skips), and how they were got:
+        "byte_level" (exact: byte-level BPE) or "per_token" (each token decoded alone; exact for byte-fallback
+        SentencePiece except its leading-space strip)."""
+        spec = json.loads(self.backend.to_str())
+        special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        decoder = spec.get("decoder") or {}
+        out = [b""] * vocab_size
+        if "ByteLevel" in {d.get("type") for d in decoder.get("decoders", [decoder])}:
+            inverse = {c: b for b, c in _byte_alphabet().items()}
+            for piece, i in self.backend.get_vocab(with_added_tokens=True).items():
+                if i < vocab_size and i not in special:
+                    out[i] = bytes(inverse[c] for c in piece) if set(piece) <= inverse.keys() else piece.encode()
+            return out, "byte_level"
+        for i in range(vocab_size):
+            if i in special:
+                continue
+            piece = self.backend.id_to_token(i) or ""
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                out[i] = bytes.fromhex(piece[3:5])
+            else:
+                out[i] = self.backend.decode([i], skip_special_tokens=True).encode()
+        return out, "per_token"
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render `messages` with the model's chat template as transformers' `apply_chat_template(tokenize=False)` does.
 

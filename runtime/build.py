@@ -24,6 +24,7 @@ from specair.models.errors import InputError
 from specair.models.llama import Transformer, build_model, with_features
 from specair.runtime.engine import Engine
 from specair.runtime.native import write_native
+from specair.runtime.output import eos_ids
 from specair.runtime.proposers import parse_config, proposer_class
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -300,8 +301,7 @@ def compile_plan(model: str | None, dtype: str, spec_json: str | None, backend: 
         f"context buckets {plan.ctx_buckets}, variants {plan.variants}")
     t0 = time.perf_counter()
     graphs = compile_artifacts(catalog, be, Path(out), models.fingerprints)
-    eos = list(models.target.config.eos_token_ids) + list(getattr(models.tokenizer, "eos_token_ids", ()) or ())
-    write_native(Path(out), catalog, be, models.tokenizer, eos, models.fingerprints,
-                 compile_command(model, plan, be.name, Path(out), quantize))
+    write_native(Path(out), catalog, be, models.tokenizer, eos_ids(models.target, models.tokenizer),
+                 models.fingerprints, compile_command(model, plan, be.name, Path(out), quantize))
     log(f"compiled in {time.perf_counter() - t0:.1f}s into {out}")
     return graphs

@@ -25,7 +25,7 @@ from specair.models.errors import InputError
 from specair.runtime.adaptive import AdaptiveSpeculation
 from specair.runtime.batch_state import BatchState
 from specair.runtime.kv_slots import KVSlots
-from specair.runtime.output import Output
+from specair.runtime.output import Output, eos_ids
 from specair.runtime.params import SamplingParams, StreamEvent
 from specair.runtime.proposers import Proposer, Step
 from specair.runtime.scheduler import QueueFullError, Scheduler, Seq  # noqa: F401 (QueueFullError: public)
@@ -42,8 +42,7 @@ class Engine:
         self.device = graphs.device
         self.sched = Scheduler(self.plan, target.config.vocab_size, tokenizer, target.dtype, max_waiting)
         self.num_slots, self.max_waiting = self.sched.num_slots, max_waiting
-        self.output = Output(frozenset(set(target.config.eos_token_ids)
-                                       | set(getattr(tokenizer, "eos_token_ids", ()) or ())))
+        self.output = Output(eos_ids(target, tokenizer))
         roles = {"target": target}
         if proposer is not None and proposer.has_cache:
             roles["draft"] = proposer.draft

@@ -26,46 +26,6 @@ WEIGHTS = "weights.safetensors"
 FORMAT = 1
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: printable bytes map to themselves, the rest to U+0100 onwards."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-def token_bytes(tokenizer: Any, vocab_size: int) -> tuple[list[str], str]:
-    """Each token id's bytes in hex ("" for special tokens, which decoding skips), and how they were got:
-    "byte_level" (exact: byte-level BPE) or "per_token" (each token decoded alone; exact for byte-fallback
-    SentencePiece except its leading-space strip)."""
-    backend = tokenizer.backend
-    spec = json.loads(backend.to_str())
-    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
-    decoders = spec.get("decoder") or {}
-    kinds = {d.get("type") for d in decoders.get("decoders", [decoders])}
-    out = [""] * vocab_size
-    if "ByteLevel" in kinds:
-        inverse = {c: b for b, c in _bytes_to_unicode().items()}
-        for piece, i in backend.get_vocab(with_added_tokens=True).items():
-            if i < vocab_size and i not in special:
-                raw = bytes(inverse[c] for c in piece) if all(c in inverse for c in piece) else piece.encode()
-                out[i] = raw.hex()
-        return out, "byte_level"
-    for i in range(vocab_size):
-        if i in special:
-            continue
-        piece = backend.id_to_token(i) or ""
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            out[i] = piece[3:5].lower()
-        else:
-            out[i] = backend.decode([i], skip_special_tokens=True).encode().hex()
-    return out, "per_token"
-
-
 def _io(catalog: Catalog, key: GraphKey) -> dict[str, Any]:
     g = catalog.graph(key)
     return {"inputs": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
@@ -140,13 +100,16 @@ def _weights(catalog: Catalog, art_dir: Path) -> tuple[dict[str, torch.Tensor], 
     return tensors, aliases
 
 
-def write_native(art_dir: Path, catalog: Catalog, backend: Any, tokenizer: Any, eos_ids: list[int],
+def write_native(art_dir: Path, catalog: Catalog, backend: Any, tokenizer: Any, eos_ids: frozenset[int],
                  fingerprints: dict[str, Any], recompile: str) -> None:
     """Write native.json (and, for aoti, weights.safetensors) into a compiled artifact directory."""
     from safetensors.torch import save_file
 
     plan, target, proposer = catalog.plan, catalog.target, catalog.proposer
-    vocab, decoding = token_bytes(tokenizer, target.config.vocab_size) if tokenizer is not None else (None, None)
+    vocab, decoding = None, None
+    if tokenizer is not None:
+        pieces, decoding = tokenizer.token_bytes(target.config.vocab_size)
+        vocab = [b.hex() for b in pieces]
     caches = {"target": _cache(target)}
     if proposer is not None and proposer.has_cache:
         caches["draft"] = _cache(proposer.draft)
@@ -157,7 +120,7 @@ def write_native(art_dir: Path, catalog: Catalog, backend: Any, tokenizer: Any, 
     doc = {
         "format": FORMAT, "backend": backend.name, "versions": versions(backend), "fingerprints": fingerprints,
         "recompile": recompile,
-        "model": {"vocab_size": target.config.vocab_size, "eos_token_ids": sorted(set(eos_ids)),
+        "model": {"vocab_size": target.config.vocab_size, "eos_token_ids": sorted(eos_ids),
                   "dtype": str(target.dtype).removeprefix("torch."), "feature_size": target.feature_size},
         "caches": caches,
         "plan": {"max_context": plan.max_context, "slots": plan.slots, "batch_buckets": list(plan.batch_buckets),

@@ -9,6 +9,11 @@ from specair.runtime.params import GenerationResult, StreamEvent
 from specair.runtime.scheduler import Seq
 
 
+def eos_ids(target: Any, tokenizer: Any) -> frozenset[int]:
+    """The ids that end a sequence: the model config's and the tokenizer's."""
+    return frozenset(set(target.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()) or ()))
+
+
 class Output:
     def __init__(self, eos_ids: frozenset[int]) -> None:
         self.eos_ids = eos_ids

@@ -36,7 +36,7 @@ names, shapes and strides of the constants it takes, the values of those it owns
 the Inductor options and the torch version and CPU ISA, so a digest of those names it, and a graph whose
 digest was compiled before (another bucket's identical graph, a draft's prompt-prefill and catch-up
 graphs at batch 1, the same target graphs under another proposer's plan) is copied from
-`<specair cache>/aoti-packages/<digest>/` instead of built again (export still runs: ~1 s).
+`<specair cache>/aoti-packages/<digest>/` instead of built again (export still runs: a few seconds).
 """
 
 from __future__ import annotations
@@ -256,29 +256,22 @@ class AotiBackend(Backend):
 
         self._write(art_dir, graph.key, pt2, side, lambda p: package_aoti(str(p), files), sidecar)
         try:  # into the package cache too; a cache that cannot be written only costs later compiles
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            self._write(cached.parent, cached.name, cached / "graph.pt2", cached / "graph.aoti.pt",
-                        lambda p: shutil.copyfile(pt2, p), sidecar, whole_dir=cached)
+            cached.mkdir(parents=True, exist_ok=True)
+            self._write(cached, graph.key, cached / "graph.pt2", cached / "graph.aoti.pt",
+                        lambda p: shutil.copyfile(pt2, p), sidecar)
         except OSError:
             pass
         del weights, ep
         return self.load(graph, art_dir)
 
     @staticmethod
-    def _write(parent: Path, key: str, pt2: Path, side: Path, make_pt2: Any, sidecar: dict[str, Any],
-               whole_dir: Path | None = None) -> None:
-        """Write a package and its sidecar under their final names in a scratch dir, then move them (or the
-        whole dir): an interrupted compile never leaves a half-written package behind."""
+    def _write(parent: Path, key: str, pt2: Path, side: Path, make_pt2: Any, sidecar: dict[str, Any]) -> None:
+        """Write a package and its sidecar under their final names in a scratch dir, then move them, the package
+        last: an interrupted compile never leaves a half-written package behind."""
         scratch = Path(tempfile.mkdtemp(prefix=f".partial-{key}-", dir=parent))
         try:
             make_pt2(scratch / pt2.name)
             torch.save(sidecar, scratch / side.name)
-            if whole_dir is not None:
-                try:
-                    os.rename(scratch, whole_dir)
-                except OSError:  # another process cached the same digest first
-                    pass
-                return
             os.replace(scratch / side.name, side)
             os.replace(scratch / pt2.name, pt2)
         finally:

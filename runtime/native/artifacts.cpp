@@ -237,6 +237,13 @@ Artifacts Artifacts::open(const fs::path& dir, const std::string& backend) {
     a.depths = ints(plan.at("depths"));
     a.variants = plan.at("variants").get<std::vector<std::string>>();
     a.proposer = a.native.at("proposer");
+    for (const auto& hex : a.native.at("vocab").is_null() ? json::array() : a.native.at("vocab")) {
+      const std::string& h = hex.get_ref<const std::string&>();
+      std::string bytes(h.size() / 2, '\0');
+      for (size_t i = 0; i < bytes.size(); ++i)
+        bytes[i] = static_cast<char>(hex_digit(h[2 * i]) << 4 | hex_digit(h[2 * i + 1]));
+      a.vocab.push_back(std::move(bytes));
+    }
   } catch (const json::exception& e) {
     throw InputError((dir / "native.json").string() + " is corrupt (" + e.what() +
                      "); recompile with `specair compile`");
@@ -291,14 +298,9 @@ const json& Artifacts::prefill(int64_t ctx, int64_t chunk) const {
   throw InputError("no prefill graph for context " + std::to_string(ctx) + ", chunk " + std::to_string(chunk));
 }
 
-std::string Artifacts::token_bytes(int64_t id) const {
-  const json& vocab = native.at("vocab");
-  if (vocab.is_null() || id < 0 || id >= static_cast<int64_t>(vocab.size())) return "";
-  const std::string& hex = vocab[id].get_ref<const std::string&>();
-  std::string out(hex.size() / 2, '\0');
-  for (size_t i = 0; i < out.size(); ++i)
-    out[i] = static_cast<char>(hex_digit(hex[2 * i]) << 4 | hex_digit(hex[2 * i + 1]));
-  return out;
+const std::string& Artifacts::token_bytes(int64_t id) const {
+  static const std::string none;
+  return id >= 0 && id < static_cast<int64_t>(vocab.size()) ? vocab[id] : none;
 }
 
 std::unique_ptr<Executor> aoti_executor(const Artifacts& art) { return std::make_unique<AotiExecutor>(art); }

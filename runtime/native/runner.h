@@ -72,7 +72,8 @@ struct Artifacts {
   std::string variant_for(const std::string& wanted) const;
   const json& step(int64_t batch, int64_t ctx, const std::string& variant, std::optional<int> shape) const;
   const json& prefill(int64_t ctx, int64_t chunk) const;
-  std::string token_bytes(int64_t id) const;
+  std::vector<std::string> vocab;  // each token's bytes ("" for special tokens)
+  const std::string& token_bytes(int64_t id) const;
 };
 
 std::unique_ptr<Executor> aoti_executor(const Artifacts& art);
