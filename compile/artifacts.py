@@ -83,6 +83,7 @@ class GraphSet:
         self.fns: dict[GraphKey, CompiledGraph] = {}
         self._pending: set[GraphKey] = set()  # artifacts checked but not loaded yet (see `prepare`)
         self.timings: dict[str, list[float]] | None = None  # kind -> [seconds, calls] while profiling
+        self.observer: Callable[[GraphKey], None] | None = None  # told of every call, before it runs
 
     @property
     def plan(self) -> Plan:
@@ -142,6 +143,8 @@ class GraphSet:
             extra = sorted(set(inputs) - set(graph.input_names))
             raise InputError(f"graph {key} takes inputs {list(graph.input_names)}; missing {missing}, "
                              f"unexpected {extra}")
+        if self.observer is not None:
+            self.observer(key)
         t = time.perf_counter() if self.timings is not None else 0.0
         out = fn(*(inputs[n] for n in graph.input_names))
         if self.timings is not None:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from specair.models.config import ModelConfig
 from specair.models.errors import ModelFormatError
-from specair.models.llama import AttentionInputs, Block, ModelOutput, Transformer
+from specair.models.llama import AttentionInputs, Block, ModelOutput, Transformer, vocab_logits
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
@@ -151,12 +151,15 @@ class EagleHead(DraftHead):
         self.register_buffer("draft_lm_weight", weight.detach().index_select(0, self.draft_vocab), persistent=False)
 
     def _full_lm_weight(self) -> Tensor:
-        return self.tok_embeddings.weight if self.output is None else self.output.weight
+        return self._lm_holder().weight
+
+    def _lm_holder(self) -> nn.Module:
+        return self.tok_embeddings if self.output is None else self.output
 
     def logits(self, hidden: Tensor, reduced: bool = False) -> Tensor:
         """LM-head logits of head outputs hidden [..., H]: [..., V] (entries outside the draft vocabulary at
         the dtype's finfo.min), or with reduced=True [..., Vd] over the draft vocabulary (for training)."""
-        return lm_logits(hidden, self._full_lm_weight(), self.draft_vocab, self.draft_lm_weight, reduced)
+        return lm_logits(hidden, self._lm_holder(), self.draft_vocab, self.draft_lm_weight, reduced)
 
     def layer_inputs(self, tokens: Tensor, input_hidden: Tensor) -> tuple[Tensor]:
         """What the decoder layer takes before its RoPE tables: fc(cat(embedding, hidden))."""
@@ -177,14 +180,15 @@ def check_draft_vocab(ids: Tensor, vocab_size: int, what: str) -> Tensor:
     return ids
 
 
-def lm_logits(hidden: Tensor, weight: Tensor, draft_vocab: Tensor | None, draft_weight: Tensor | None,
+def lm_logits(hidden: Tensor, holder: nn.Module, draft_vocab: Tensor | None, draft_weight: Tensor | None,
               reduced: bool = False) -> Tensor:
-    """hidden [..., H] @ weight.T, or only against the draft vocabulary's rows, scattered into full-vocabulary
-    logits filled with finfo.min (so top-k, argmax and softmax never pick a token outside it)."""
+    """hidden [..., H] against the LM head `holder` holds (`vocab_logits`), or only against the draft
+    vocabulary's rows (a full copy, so no rank gathers them), scattered into full-vocabulary logits filled
+    with finfo.min (so top-k, argmax and softmax never pick a token outside it)."""
     if draft_vocab is None:
-        return hidden @ weight.t()
+        return vocab_logits(hidden, holder)
     small = hidden @ draft_weight.t()
-    return small if reduced else scatter_vocab(small, draft_vocab, weight.shape[0])
+    return small if reduced else scatter_vocab(small, draft_vocab, getattr(holder, "vocab_size", holder.weight.shape[0]))
 
 
 def scatter_vocab(small: Tensor, draft_vocab: Tensor, vocab_size: int) -> Tensor:

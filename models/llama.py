@@ -12,9 +12,10 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -76,6 +77,46 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     products and sums as transformers' x*cos + rotate_half(x)*sin over duplicated tables, so bit-equal."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class TensorParallel(NamedTuple):
+    """One rank's place in a tensor-parallel group (its torch.distributed process group, rank and size)."""
+
+    group: Any
+    rank: int
+    world: int
+
+
+def all_reduce(x: Tensor, tp: TensorParallel | None) -> Tensor:
+    """The sum of every rank's x (a functional collective, so graph captures keep it inside the graph)."""
+    return x if tp is None else funcol.all_reduce(x, "sum", tp.group)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding; under tensor parallelism (`tp` set by `shard`), this rank's rows of the vocabulary from
+    `vocab_start` on: tokens outside them embed as zeros and the ranks' embeddings are summed."""
+
+    tp: TensorParallel | None = None
+    vocab_start: int = 0
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        if self.tp is None:
+            return super().forward(tokens)
+        local = tokens - self.vocab_start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        x = F.embedding(torch.where(inside, local, 0), self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(x, self.tp)
+
+
+def vocab_logits(hidden: Tensor, holder: nn.Module) -> Tensor:
+    """hidden [..., H] @ holder.weight.T: logits over the whole vocabulary from the LM head's holder (the
+    embedding when tied, else the output Linear); under tensor parallelism each rank's rows are gathered."""
+    logits = hidden @ holder.weight.t()
+    tp = getattr(holder, "tp", None)
+    if tp is None:
+        return logits
+    full = funcol.all_gather_single(logits.movedim(-1, 0).contiguous(), 0, tp.group)
+    return full[:holder.vocab_size].movedim(0, -1)
 
 
 class RMSNorm(nn.Module):
@@ -158,6 +199,8 @@ def use_attention(kernel) -> Iterator[None]:
 
 
 class Attention(nn.Module):
+    tp: TensorParallel | None = None
+
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
@@ -177,10 +220,12 @@ class Attention(nn.Module):
             out, k = rope_attend(*args)
         else:
             out, k = kernel(*args, inputs)
-        return self.wo(out), k.transpose(1, 2), v.view(B, T, Hkv, D).transpose(1, 2)
+        return all_reduce(self.wo(out), self.tp), k.transpose(1, 2), v.view(B, T, Hkv, D).transpose(1, 2)
 
 
 class FeedForward(nn.Module):
+    tp: TensorParallel | None = None
+
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.w13 = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
@@ -188,7 +233,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return all_reduce(self.w2(F.silu(gate) * up), self.tp)
 
 
 class Block(nn.Module):
@@ -214,7 +259,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         c = config
-        self.tok_embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.tok_embeddings = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(Block(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.output = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
@@ -234,9 +279,13 @@ class Transformer(nn.Module):
         """The width of `ModelOutput.hidden`: H, or H per feature layer (and the final state) of a feature view."""
         return self.config.hidden_size * max(1, len(self.feature_layers) + self.feature_final)
 
+    @property
+    def lm_holder(self) -> nn.Module:
+        """The module whose weight is the LM head: the embedding when tied, else the output Linear."""
+        return self.tok_embeddings if self.output is None else self.output
+
     def lm_head(self, hidden: Tensor) -> Tensor:
-        w = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return hidden @ w.t()
+        return vocab_logits(hidden, self.lm_holder)
 
     def forward(
         self,
@@ -307,7 +356,7 @@ class Transformer(nn.Module):
 
     def empty_cache(self, batch: int, slots: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
         """A zeroed K and V cache [L, batch, Hkv, slots, D] in the model's dtype."""
-        c = self.config
+        c = self.config  # under tensor parallelism, this rank's KV heads
         shape = (c.num_layers, batch, c.num_kv_heads, slots, c.head_dim)
         return (torch.zeros(shape, dtype=self.dtype, device=device),
                 torch.zeros(shape, dtype=self.dtype, device=device))
@@ -384,3 +433,62 @@ def truncated(model: Transformer, num_layers: int) -> Transformer:
     draft.layers = nn.ModuleList(list(model.layers)[:num_layers])
     draft.rope_cos, draft.rope_sin = model.rope_cos, model.rope_sin
     return draft.eval()
+
+
+def _split(n: int, world: int) -> list[int]:
+    """n units over `world` ranks, the first ranks taking one more where it does not divide."""
+    return [n // world + (r < n % world) for r in range(world)]
+
+
+def _rows(t: Tensor, start: int, stop: int, dim: int = 0) -> Tensor:
+    return t.narrow(dim, start, stop - start).contiguous()
+
+
+def shard(model: Transformer, tp: TensorParallel) -> Transformer:
+    """Keep this rank's part of the model, in place (modules other models share, e.g. an EAGLE head's
+    embedding or a layer-skip draft's layers, see the same shards), and return it.
+
+    Attention: whole KV groups per rank (a KV head with its query heads), column-parallel QKV and
+    row-parallel output; MLP: column-parallel gate/up, row-parallel down; one all-reduce after each
+    row-parallel projection. Embedding and LM head: vocabulary-parallel (rows), with a summed embedding and
+    gathered logits. Ranks may hold unequal shares (9 heads in 3 KV groups split 6 + 3 over two ranks)."""
+    c, r, world = model.config, tp.rank, tp.world
+    if c.num_kv_heads < world:
+        raise ModelFormatError(f"tensor parallelism over {world} ranks needs at least {world} KV heads; the model "
+                               f"has {c.num_kv_heads}")
+    groups, group_size, D = _split(c.num_kv_heads, world), c.num_heads // c.num_kv_heads, c.head_dim
+    g0 = sum(groups[:r])
+    kv = (g0, g0 + groups[r])
+    ffn = _split(c.intermediate_size, world)
+    f0 = sum(ffn[:r])
+    for block in model.layers:
+        a, f = block.attention, block.feed_forward
+        if a.tp is None:
+            H, Hkv = a.n_heads, a.n_kv
+            q = (kv[0] * group_size * D, kv[1] * group_size * D)
+            k = (H * D + kv[0] * D, H * D + kv[1] * D)
+            v = (k[0] + Hkv * D, k[1] + Hkv * D)
+            keep = torch.cat([torch.arange(*q), torch.arange(*k), torch.arange(*v)])
+            a.wqkv.weight = nn.Parameter(a.wqkv.weight.index_select(0, keep), requires_grad=False)
+            if a.wqkv.bias is not None:
+                a.wqkv.bias = nn.Parameter(a.wqkv.bias.index_select(0, keep), requires_grad=False)
+            a.wo.weight = nn.Parameter(_rows(a.wo.weight, *q, dim=1), requires_grad=False)
+            a.n_heads, a.n_kv, a.tp = groups[r] * group_size, groups[r], tp
+        if f.tp is None:
+            I = f.w2.weight.shape[1]
+            w13 = f.w13.weight
+            f.w13.weight = nn.Parameter(torch.cat([_rows(w13, f0, f0 + ffn[r]), _rows(w13, I + f0, I + f0 + ffn[r])]),
+                                        requires_grad=False)
+            f.w2.weight = nn.Parameter(_rows(f.w2.weight, f0, f0 + ffn[r], dim=1), requires_grad=False)
+            f.tp = tp
+    for holder in (model.tok_embeddings, model.output):
+        if holder is not None and getattr(holder, "tp", None) is None:
+            V = holder.weight.shape[0]
+            per = -(-V // world)
+            w = torch.zeros(per, holder.weight.shape[1], dtype=holder.weight.dtype, device=holder.weight.device)
+            mine = holder.weight[r * per:(r + 1) * per]
+            w[:mine.shape[0]] = mine  # the last rank's rows past the vocabulary stay zero (sliced off when gathered)
+            holder.weight = nn.Parameter(w, requires_grad=False)
+            holder.tp, holder.vocab_start, holder.vocab_size = tp, r * per, V
+    model.config = replace(c, num_heads=groups[r] * group_size, num_kv_heads=groups[r], intermediate_size=ffn[r])
+    return model

@@ -88,7 +88,10 @@ class MedusaHeads(nn.Module):
         self.register_buffer("draft_lm_weight", weight.detach().index_select(0, self.draft_vocab), persistent=False)
 
     def _shared_lm_weight(self) -> Tensor:
-        return self.tok_embeddings.weight if self.output is None else self.output.weight
+        return self._lm_holder().weight
+
+    def _lm_holder(self) -> nn.Module:
+        return self.tok_embeddings if self.output is None else self.output
 
     def features(self, hidden: Tensor) -> Tensor:
         """The ResBlocks of every head: hidden [..., H] -> [..., num_heads, H]."""
@@ -103,7 +106,7 @@ class MedusaHeads(nn.Module):
         """Output projection of the first n heads' features [..., n, H] -> [..., n, V] (or [..., n, Vd] over the
         draft vocabulary with reduced=True, for training)."""
         if self.tied:
-            return lm_logits(features, self._shared_lm_weight(), self.draft_vocab, self.draft_lm_weight, reduced)
+            return lm_logits(features, self._lm_holder(), self.draft_vocab, self.draft_lm_weight, reduced)
         lead, n = features.shape[:-2], features.shape[-2]  # n <= num_heads: the first n heads
         x = features.reshape(-1, n, self.hidden_size).transpose(0, 1)  # [n, N, H]
         out = x @ self.out_weight[:n].transpose(1, 2)  # [n, N, V]

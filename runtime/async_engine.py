@@ -8,8 +8,9 @@ the engine and the engine never touches asyncio objects directly.
 
 An exception raised by `step()` fails the request it names (an exception with a `request_id` attribute), or else
 every request in flight, with `RequestFailedError`; those requests are aborted in the engine so their slots free,
-and the thread keeps serving. After `MAX_CONSECUTIVE_FAILURES` failing steps in a row the engine is declared dead:
-every request fails and new ones are refused with `EngineDeadError`.
+and the thread keeps serving. After `MAX_CONSECUTIVE_FAILURES` failing steps in a row, or at once for a fatal
+error (a tensor-parallel rank lost, even between steps), the engine is declared dead: every request fails, new
+ones are refused with `EngineDeadError`, and `on_fatal` callbacks run (the server exits non-zero).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, Callable
 
 from specair.models.errors import SpecairError
 from specair.runtime.metrics import RequestClock, ServerMetrics
@@ -94,7 +95,11 @@ class AsyncEngine:
         self._wake = threading.Condition()
         self._stopping = False
         self._dead: str | None = None  # why the engine stopped serving
+        self.on_fatal: list[Callable[[str], None]] = []  # told why, once, when the engine dies of a fault
         self._thread = threading.Thread(target=self._run, name="specair-engine", daemon=True)
+        group = getattr(engine, "group", None)
+        if group is not None:
+            group.on_failure.append(lambda e: self._kill(str(e), fatal=True))
         if metrics is not None:
             metrics.watch_queue(lambda: int(engine.num_running), lambda: int(engine.num_waiting))
 
@@ -178,8 +183,11 @@ class AsyncEngine:
             except Exception as e:
                 failures += 1
                 logger.exception("engine step failed (%d in a row)", failures)
+                if getattr(e, "fatal", False):
+                    self._kill(str(e), fatal=True)
+                    return
                 if failures >= MAX_CONSECUTIVE_FAILURES:
-                    self._kill(f"the engine failed {failures} steps in a row: {e!r}")
+                    self._kill(f"the engine failed {failures} steps in a row: {e!r}", fatal=True)
                     return
                 self._fail_step(e)
                 continue
@@ -218,10 +226,15 @@ class AsyncEngine:
             except Exception:
                 logger.debug("abort of failed request %s", rid, exc_info=True)
 
-    def _kill(self, reason: str) -> None:
+    def _kill(self, reason: str, fatal: bool = False) -> None:
         """Stop serving: fail every request in flight with EngineDeadError."""
         if self._dead is None:
             self._dead = reason
+            if fatal:
+                for cb in self.on_fatal:
+                    cb(reason)
+        with self._wake:
+            self._wake.notify_all()
         with self._lock:
             sinks, self._sinks = list(self._sinks.values()), {}
         for sink in sinks:

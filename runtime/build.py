@@ -4,6 +4,7 @@ directory or build graphs on demand with a backend; and `specair compile`'s ahea
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import time
@@ -21,7 +22,7 @@ from specair.compile.plan import VARIANTS, Plan
 from specair.compile.spec_config import SpeculativeConfig
 from specair.models.checkpoint import load_checkpoint
 from specair.models.errors import InputError
-from specair.models.llama import Transformer, build_model, with_features
+from specair.models.llama import TensorParallel, Transformer, build_model, shard, with_features
 from specair.runtime.engine import Engine
 from specair.runtime.native import write_native
 from specair.runtime.output import eos_ids
@@ -53,11 +54,12 @@ def load_model(path: str | None, dtype: str) -> tuple[Transformer, Any, str]:
 
 
 def load_models(path: str | None, dtype: str, spec: SpeculativeConfig | None, device: str = "cpu",
-                features: tuple[int, ...] | None = None) -> Models:
+                features: tuple[int, ...] | None = None, tp: TensorParallel | None = None) -> Models:
     """The target, its tokenizer and the model of the proposer the speculative config names (the proposer
     loads it: a draft checkpoint, the target's first layers, heads), all moved to `device`. `features`:
     the target's hidden output is the inputs of these layers and its final state (`with_features`), for
-    distillation."""
+    distillation. With `tp`, this rank's shard of the target and of a draft model (`shard`); heads stay
+    whole on every rank, reading the target's sharded embedding and LM head."""
     target, tokenizer, fp = load_model(path, dtype)
     fingerprints: dict[str, Any] = {"target": fp, "tokenizer": tokenizer_fingerprint(tokenizer), "dtype": dtype}
     if features is not None:
@@ -70,6 +72,11 @@ def load_models(path: str | None, dtype: str, spec: SpeculativeConfig | None, de
         if draft_fp is not None:
             fingerprints["draft"] = draft_fp
         target = proposer_class(spec.method).target_view(target, draft)
+    if tp is not None:
+        shard(target, tp)
+        if isinstance(draft, Transformer):
+            shard(draft, tp)
+        fingerprints["tensor_parallel"] = [tp.rank, tp.world]
     if device != "cpu":
         target = target.to(device)
         draft = draft.to(device) if draft is not None else None
@@ -189,7 +196,8 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
                 backend: str | None = None, artifacts: str | None = None, max_context: int | None = None,
                 threads: int | None = None, batch_buckets: tuple[int, ...] = (1,), max_waiting: int = 64,
                 model_name: str | None = None, quantize: str | None = None, device: str | None = None,
-                features: tuple[int, ...] | None = None) -> Engine:
+                features: tuple[int, ...] | None = None, tensor_parallel_size: int = 1,
+                tp: TensorParallel | None = None) -> Engine:
     """An engine from an artifact directory (compiling nothing), or with graphs built on first use by
     `backend` (eager by default) for the given batch buckets. `quantize` (onnx only: "int4", "int8") is
     weight-only quantization; with artifacts, None means whatever they were compiled with. Models and
@@ -198,9 +206,20 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
 
     `backend="auto"` (the CLI's default for generate and chat) is the fastest configuration here
     (`auto_backend`), built ahead of time into specair's cache on first use and loaded afterwards
-    (`cached_artifacts`); its context defaults to AUTO_MAX_CONTEXT."""
+    (`cached_artifacts`); its context defaults to AUTO_MAX_CONTEXT.
+
+    `tensor_parallel_size` N > 1 starts N-1 worker processes and returns rank 0's engine, which drives them
+    (runtime/tensor_parallel); `tp` is the rank an engine is built for inside such a group."""
     spec = parse_spec(spec_json)
     name = model_name or (Path(model).name if model else "SmolLM2-135M-Instruct")
+    if tensor_parallel_size != 1 and tp is None:
+        return _tensor_parallel_engine(dict(
+            model=model, dtype=dtype, spec_json=spec_json, backend=backend, artifacts=artifacts,
+            max_context=max_context, threads=threads, batch_buckets=tuple(batch_buckets), max_waiting=max_waiting,
+            model_name=name, quantize=quantize, device=device, features=features), tensor_parallel_size)
+    if tp is not None:
+        return _rank_engine(model, dtype, spec, backend, max_context, threads, tuple(batch_buckets), max_waiting,
+                            name, quantize, device, tp)
     if artifacts is None and backend == AUTO:
         backend, quantize = auto_backend(model, quantize)
         if backend != "eager":
@@ -238,6 +257,61 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
     models = load_models(model, plan.dtype, plan.speculative, _device(be, device), features)
     return _artifact_engine(models, plan, be, art, manifest, compile_command(model, plan, be.name, art, quantize),
                             max_waiting, name)
+
+
+TP_AUTO_BACKEND = "inductor"  # what `--backend auto` runs tensor-parallel (onnxruntime has no collectives)
+
+
+def _tensor_parallel_engine(kwargs: dict[str, Any], world: int) -> Engine:
+    """Rank 0's engine over `world` ranks, its workers started with the same arguments."""
+    from specair.runtime import tensor_parallel
+
+    if world < 1:
+        raise InputError(f"--tensor-parallel-size must be >= 1, got {world}")
+    if kwargs["artifacts"] is not None:
+        raise InputError("--artifacts cannot be combined with --tensor-parallel-size: each rank compiles its own "
+                         "shard's graphs into specair's cache; pass --backend instead")
+    if kwargs["features"] is not None:
+        raise InputError("recording features (distillation) runs on one process; drop --tensor-parallel-size")
+    backend = TP_AUTO_BACKEND if kwargs["backend"] == AUTO else kwargs["backend"] or "eager"
+    cls = type(get_backend(backend, kwargs["threads"], quantize=kwargs["quantize"]))
+    if not cls.tensor_parallel:
+        raise InputError(f"the {backend} backend cannot run tensor-parallel: {cls.tensor_parallel_why}; use "
+                         f"--backend eager, inductor or aoti on CPU (cuda or npu on accelerators)")
+    device = kwargs["device"] or cls.device
+    if kwargs["threads"] is None and torch.device(device).type == "cpu":
+        kwargs["threads"] = max(1, (os.cpu_count() or 1) // world)  # the ranks share this machine's cores
+    kwargs["backend"] = backend
+    log(f"specair: tensor parallelism over {world} ranks ({tensor_parallel.dist_backend(device)}, {backend})")
+    return tensor_parallel.launch(world, device, kwargs, lambda tp: open_engine(**kwargs, tp=tp))
+
+
+def _rank_engine(model: str | None, dtype: str, spec: SpeculativeConfig | None, backend: str | None,
+                 max_context: int | None, threads: int | None, batch_buckets: tuple[int, ...], max_waiting: int,
+                 name: str, quantize: str | None, device: str | None, tp: TensorParallel) -> Engine:
+    """One rank's engine over its shard; compiled backends build every graph before the first step, since a
+    rank compiling mid-step would stall the others past the collective timeout."""
+    if threads:
+        torch.set_num_threads(threads)
+    be = get_backend(backend or "eager", threads, quantize=quantize)
+    device = device or be.device
+    if torch.device(device).type != "cpu":
+        device = f"{torch.device(device).type}:{tp.rank}"
+    models = load_models(model, dtype, spec, _device(be, device), None, tp)
+    compiled = be.name != "eager"
+    plan = _plan(models.target, spec, max_context or (AUTO_MAX_CONTEXT if compiled else None), dtype, backend=be,
+                 draft=models.draft, batch_buckets=batch_buckets,
+                 variants=VARIANTS if not compiled else AUTO_VARIANTS if spec is None else AUTO_SPEC_VARIANTS)
+    if tp.rank == 0:
+        _log_spec(plan, be.name)
+    if not compiled:
+        return make_engine(models.target, models.tokenizer, models.draft, lambda cat: GraphSet(cat, be, None, True),
+                           plan, max_waiting, name)
+    art, manifest = cached_artifacts(models, plan, be, progress=tp.rank == 0)
+    engine = _artifact_engine(models, plan, be, art, manifest, f"remove {art} (specair rebuilds it)", max_waiting,
+                              name)
+    engine.graphs.load_pending()
+    return engine
 
 
 def _artifact_engine(models: Models, plan: Plan, be: Any, art: Path, manifest: dict[str, Any], hint: str,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -21,7 +22,7 @@ from specair.compile.artifacts import GraphSet
 from specair.compile.graph_def import GraphKey
 from specair.compile.plan import VARIANTS
 from specair.graphs.sampling import sample
-from specair.models.errors import InputError
+from specair.models.errors import InputError, SpecairError
 from specair.runtime.adaptive import AdaptiveSpeculation
 from specair.runtime.batch_state import BatchState
 from specair.runtime.kv_slots import KVSlots
@@ -29,6 +30,34 @@ from specair.runtime.output import Output, eos_ids
 from specair.runtime.params import SamplingParams, StreamEvent
 from specair.runtime.proposers import Proposer, Step
 from specair.runtime.scheduler import QueueFullError, Scheduler, Seq  # noqa: F401 (QueueFullError: public)
+from specair.runtime.tensor_parallel import Group, held
+
+
+class EngineDiverged(SpecairError):
+    """A tensor-parallel worker's state no longer matches the driver's."""
+
+
+@dataclass(frozen=True)
+class StepMeta:
+    """What the driver decides before a step runs, and all a tensor-parallel worker needs to run it (vLLM's
+    names for the speculation flags)."""
+
+    rows: tuple[str, ...]  # running requests in row order, after the aborts (a worker checks it agrees)
+    aborts: tuple[str, ...] = ()
+    new: tuple[str, list[int], SamplingParams] | None = None  # a request whose prefill starts (seed resolved)
+    prefill: bool = False  # one prefill chunk runs after the decode
+    shape: int | None = None  # the speculative shape of the decode step; None: plain decoding
+    variant: str | None = None  # the sampling variant of the decode step
+    num_lookahead_slots: int = 0
+    no_spec: bool = True
+    disable_all_speculation: bool = False  # more rows than disable_by_batch_size
+    run_spec_proposer_for_prefill: bool = False
+
+    def trace(self) -> dict[str, Any]:
+        return {"rows": len(self.rows), "prefill": self.prefill, "shape": self.shape,
+                "no_spec": self.no_spec, "disable_all_speculation": self.disable_all_speculation,
+                "num_lookahead_slots": self.num_lookahead_slots,
+                "run_spec_proposer_for_prefill": self.run_spec_proposer_for_prefill}
 
 
 class Engine:
@@ -59,6 +88,18 @@ class Engine:
         # Arms: the speculative shapes by index, and None for a plain decode step.
         arms = (*range(len(self.plan.trees)), None)
         self.adaptive = AdaptiveSpeculation(arms) if spec is not None and spec.adaptive else None
+        self.group: Group | None = None  # the tensor-parallel group this engine drives (runtime/tensor_parallel)
+        self._trace: list[dict[str, Any]] | None = None
+
+    @property
+    def trace(self) -> list[dict[str, Any]] | None:
+        """When a list: each step's decisions and every graph called, in order (tensor-parallel tests)."""
+        return self._trace
+
+    @trace.setter
+    def trace(self, trace: list[dict[str, Any]] | None) -> None:
+        self._trace = trace
+        self.graphs.observer = None if trace is None else (lambda key: trace.append({"graph": key.name}))
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -94,13 +135,67 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StreamEvent]:
-        """One iteration: a decode or speculative step over the running rows, then one prefill chunk."""
-        events = [ev for rid in self.sched.collect() for ev in self._abort(rid)]
-        if self.rows:
-            events += self._decode()
+        """One iteration: this step's decisions (`StepMeta`), then a decode or speculative step over the
+        running rows and one prefill chunk. Under tensor parallelism the decisions reach every worker
+        before any graph runs, and a failing rank fails the step with a TensorParallelError."""
+        with held(self.group):
+            aborts = self.sched.collect()
+            events = [ev for rid in aborts for ev in self._abort(rid)]
+            meta = self._schedule(tuple(aborts))
+            if self.group is None:
+                return events + self._run(meta)
+            self.group.send(meta)
+            try:
+                return events + self._run(meta)
+            except Exception as e:  # the ranks may no longer agree: the group cannot go on
+                raise self.group.fail(e) from e
+
+    @torch.inference_mode()
+    def follow(self, meta: StepMeta) -> None:
+        """A tensor-parallel worker's step: the driver's decisions, run on this rank's shard."""
+        for rid in meta.aborts:
+            self._abort(rid)
+        if meta.new is not None:
+            self.sched.prefilling = self.sched.make_seq(*meta.new)
+        rows = tuple(s.request_id for s in self.rows)
+        if rows != meta.rows:
+            raise EngineDiverged(f"this rank's rows {rows} differ from the driver's {meta.rows}")
+        self._run(meta)
+
+    def close(self) -> None:
+        """End the tensor-parallel group, if any (its workers exit); a single-process engine holds nothing."""
+        if self.group is not None:
+            self.group.close()
+
+    def _schedule(self, aborts: tuple[str, ...]) -> StepMeta:
+        """The driver's decisions for this step: whether and how the running rows speculate, which request
+        prefills a chunk (a waiting one starts when a row is free)."""
+        rows, spec = self.rows, self.plan.speculative
+        variant = shape = None
+        if rows:
+            variant = self.plan.variant_for(max((s.req.variant for s in rows), key=VARIANTS.index))
+            if self.sched.speculates() and self.proposer.can_speculate(rows):
+                shape = self.adaptive.choose() if self.adaptive is not None and variant == "greedy" else 0
+        waiting = self.sched.prefilling is None
         s = self.sched.next_prefill()
-        if s is not None:
-            events += self._prefill_chunk(s)
+        new = None
+        if s is not None and waiting and self.group is not None:
+            params = s.params if s.params.seed is not None else replace(s.params, seed=s.req.gen.initial_seed())
+            new = (s.request_id, s.prompt, params)
+        return StepMeta(
+            rows=tuple(x.request_id for x in rows), aborts=aborts, new=new, prefill=s is not None, shape=shape,
+            variant=variant, num_lookahead_slots=0 if shape is None else self.plan.trees[shape].depth,
+            no_spec=shape is None,
+            disable_all_speculation=bool(spec and spec.disable_by_batch_size is not None
+                                         and len(rows) > spec.disable_by_batch_size),
+            run_spec_proposer_for_prefill=s is not None and spec is not None)
+
+    def _run(self, meta: StepMeta) -> list[StreamEvent]:
+        if self.trace is not None:
+            self.trace.append({"step": meta.trace()})
+        events = self._decode(meta) if self.rows else []
+        if meta.prefill:
+            events += self._prefill_chunk(self.sched.prefilling)
         return events
 
     def _abort(self, rid: str) -> list[StreamEvent]:
@@ -178,18 +273,13 @@ class Engine:
 
     # ---- decoding -----------------------------------------------------------------------------------
 
-    def _decode(self) -> list[StreamEvent]:
+    def _decode(self, meta: StepMeta) -> list[StreamEvent]:
         B = self.kv.B
         self.bucket_steps[B] += 1
-        variant = self.plan.variant_for(max((s.req.variant for s in self.rows), key=VARIANTS.index))
-        speculate = self.sched.speculates() and self.proposer.can_speculate(self.rows)
-        shape = 0 if speculate else None  # the step's speculative shape, None: a plain decode step
-        choose = speculate and self.adaptive is not None and variant == "greedy"
-        if choose:
-            shape = self.adaptive.choose()
+        shape, variant = meta.shape, meta.variant
         t0 = time.perf_counter()
         per_row = self._plain_step(B, variant) if shape is None else self._speculative_step(B, variant, shape)
-        if choose:
+        if shape is not None and self.adaptive is not None and variant == "greedy":
             self.adaptive.record(shape, sum(len(toks) for toks, _ in per_row), time.perf_counter() - t0)
         events = [self.output.emit(s, toks, draft)[1] for s, (toks, draft) in zip(list(self.rows), per_row)]
         for i in range(len(self.rows) - 1, -1, -1):

@@ -16,7 +16,8 @@ Prompt = str | Sequence[int]
 
 class LLM:
     """A model (the default SmolLM2-135M-Instruct when `model` is None), optionally with a proposer, behind
-    an engine that batches requests continuously over `batch_buckets`.
+    an engine that batches requests continuously over `batch_buckets`; with `tensor_parallel_size` N, over N
+    processes, each holding a shard of the model.
 
     >>> llm = LLM(speculative_config={"method": "eagle", "num_speculative_tokens": 4})
     >>> llm.chat([{"role": "user", "content": "Hi!"}])[0].text
@@ -26,11 +27,23 @@ class LLM:
                  backend: str = "eager", artifacts: str | None = None, dtype: str = "fp32",
                  max_context: int | None = None, batch_buckets: tuple[int, ...] = (1, 2, 4, 8),
                  threads: int | None = None, max_waiting: int = 64, quantize: str | None = None,
-                 device: str | None = None, features: tuple[int, ...] | None = None) -> None:
+                 device: str | None = None, features: tuple[int, ...] | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         self.engine: Engine = open_engine(model, dtype, speculative_config, None if artifacts else backend,
                                           artifacts, max_context, threads, tuple(batch_buckets), max_waiting,
-                                          quantize=quantize, device=device, features=features)
+                                          quantize=quantize, device=device, features=features,
+                                          tensor_parallel_size=tensor_parallel_size)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @classmethod
     def from_engine(cls, engine: Engine) -> "LLM":

@@ -80,23 +80,28 @@ class Scheduler:
         ids = self.check_prompt(prompt_ids)
         if not isinstance(params, SamplingParams):
             raise InputError(f"params must be SamplingParams, got {type(params).__name__}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        s = self.make_seq(rid, ids, params)
+        with self._lock:
+            if len(self._inbox) + len(self.waiting) >= self.max_waiting + max(0, self.num_slots - self.num_running):
+                raise QueueFullError(f"{self.max_waiting} requests are already waiting; try again later")
+            self._inbox.append(s)
+        return rid
+
+    def make_seq(self, request_id: str, ids: list[int], params: SamplingParams) -> Seq:
+        """A request's state (what a tensor-parallel worker rebuilds from the driver's message)."""
         req = Request(params, self.dtype)
         self.plan.variant_for(req.variant)  # refuses sampling the plan has no graph for
         spec = self.plan.speculative
         if spec is not None and spec.acceptance == "greedy" and not req.greedy:
             raise InputError("this engine's acceptance is 'greedy', which needs temperature 0; "
                              "use acceptance 'rejection' to sample exactly")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        s = Seq(rid, ids, params, req, TextAssembler(self.tokenizer, ids, params.stop),
+        s = Seq(request_id, ids, params, req, TextAssembler(self.tokenizer, ids, params.stop),
                 min(params.max_tokens, self.plan.max_context - len(ids)), time.perf_counter())
         if spec is not None:
             s.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                        "accepted_per_position": [0] * self.depth}
-        with self._lock:
-            if len(self._inbox) + len(self.waiting) >= self.max_waiting + max(0, self.num_slots - self.num_running):
-                raise QueueFullError(f"{self.max_waiting} requests are already waiting; try again later")
-            self._inbox.append(s)
-        return rid
+        return s
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import sys
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -490,7 +491,7 @@ def build_app(engine: Any, *, served_model_name: str | None = None, batch_bucket
             await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 
     app = FastAPI(title="specair", lifespan=lifespan)
-    app.state.server = server
+    app.state.server, app.state.async_engine = server, async_engine
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -576,6 +577,8 @@ def add_serve_parser(subparsers: Any) -> None:
                    help="batch buckets; the largest is the number of concurrent sequences (default 1,2,4,8)")
     p.add_argument("--max-waiting", type=int, default=64, metavar="N",
                    help="requests queued beyond the running ones before answering 429 (default 64)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the model over N processes (torch.distributed; default 1)")
     p.add_argument("--served-model-name", help="the model name clients send (default: the engine's model name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
@@ -595,7 +598,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         extra["quantize"] = args.quantize
     llm = LLM(args.model, args.speculative_config, artifacts=args.artifacts, dtype=args.dtype,
               max_context=args.max_context, batch_buckets=args.batch_buckets, threads=args.threads,
-              max_waiting=args.max_waiting, device=args.device, **extra)
+              max_waiting=args.max_waiting, device=args.device, tensor_parallel_size=args.tensor_parallel_size, **extra)
     app = build_app(llm.engine, served_model_name=args.served_model_name, batch_buckets=args.batch_buckets,
                     model_root=args.model)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -603,8 +606,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        "use it", args.host)
     logger.info("serving %s on http://%s:%d (%d sequence slots, up to %d waiting)",
                 app.state.server.model_name, args.host, args.port, llm.engine.num_slots, args.max_waiting)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    fatal: list[str] = []
+
+    def stop(reason: str) -> None:  # answer 503 for a moment, then exit non-zero
+        logger.error("the engine stopped serving: %s; exiting", reason)
+        fatal.append(reason)
+        threading.Timer(FATAL_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
+
+    app.state.async_engine.on_fatal.append(stop)
+    try:
+        server.run()
+    finally:
+        llm.close()
+    return 1 if fatal else 0
+
+
+FATAL_EXIT_DELAY_S = 2.0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,10 @@ class Backend(ABC):
 
     name: ClassVar[str]
     device: ClassVar[str] = "cpu"
+    # Whether graphs keep functional collectives (all-reduce, all-gather) inside, so a tensor-parallel shard
+    # runs on this backend; if not, why not.
+    tensor_parallel: ClassVar[bool] = True
+    tensor_parallel_why: ClassVar[str] = ""
 
     def __init__(self, threads: int | None = None) -> None:
         self.threads = threads

@@ -639,6 +639,8 @@ def _shared_thread_pool(threads: int | None) -> bool:
 
 class OnnxBackend(Backend):
     name = "onnx"
+    tensor_parallel = False
+    tensor_parallel_why = "ONNX has no collective operators that onnxruntime's CPU provider runs"
     device = "cpu"
 
     def __init__(self, threads: int | None = None, *, self_contained: bool = False, opset: int = OPSET,

@@ -672,12 +672,12 @@ struct Runner::Impl {
       if (!rows[i]->finish.empty()) remove_row(i);
   }
 
-  void step() {  // Engine.step
-    if (!rows.empty()) decode();
+  void step() {  // Engine.step: admission is decided before the step runs (Engine._schedule)
     if (!prefilling && !waiting.empty() && static_cast<int64_t>(rows.size()) < num_slots) {
       prefilling = waiting.front();
       waiting.pop_front();
     }
+    if (!rows.empty()) decode();
     if (prefilling) prefill_chunk(*prefilling);
   }
 };

@@ -55,10 +55,6 @@ class Ngram(Proposer):
     sampled = False
     native = "ngram"
 
-    def __init__(self, spec: SpeculativeConfig, plan: Any, target: Any, draft: Any) -> None:
-        super().__init__(spec, plan, target, draft)
-        self._proposals: list[list[int]] = []
-
     @classmethod
     def check_config(cls, raw: dict[str, Any]) -> dict[str, Any]:
         # A one-token match is mostly chance; from two tokens on, a proposal is worth its verify pass.
@@ -81,16 +77,20 @@ class Ngram(Proposer):
     def start(self, seq: Seq) -> None:
         seq.draft = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
 
-    def can_speculate(self, rows: list[Seq]) -> bool:
+    def _lookup(self, rows: list[Seq]) -> list[list[int]]:
         for s in rows:  # the index catches up with the tokens the sequence gained since
             s.draft.extend(s.seq[len(s.draft.tokens):])
-        self._proposals = [s.draft.propose(self.plan.max_depth) for s in rows]
-        return any(self._proposals)
+        return [s.draft.propose(self.plan.max_depth) for s in rows]
+
+    def can_speculate(self, rows: list[Seq]) -> bool:
+        return any(self._lookup(rows))
 
     def propose(self, step: Step) -> Proposal:
+        # Looked up again, not kept from can_speculate: a tensor-parallel worker is told the driver's decision
+        # instead of asking, and must propose from its own rows.
         D = step.tree.depth
         tokens = torch.zeros(step.B, D + 1, dtype=torch.long)
-        for i, prop in enumerate(self._proposals):
+        for i, prop in enumerate(self._lookup(step.rows)):
             tokens[i, 1:1 + min(len(prop), D)] = torch.tensor(prop[:D], dtype=torch.long)
         tokens = tokens.to(self.device)
         tokens[:, 0] = step.root

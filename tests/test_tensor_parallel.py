@@ -1,0 +1,200 @@
+"""Tensor parallelism over 2 real processes (gloo): the same tokens as one process for every proposer, with
+speculation on, off (disable_by_batch_size) and beside chunked prefills; seeded sampling too; both ranks call
+the same graphs in the protocol's order; a worker that dies or hangs ends the driver with an error naming it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import save_tiny
+from test_engine import random_heads
+
+from specair.models.checkpoint import load_checkpoint
+from specair.models.eagle import save_eagle
+from specair.models.errors import InputError, ModelFormatError
+from specair.models.llama import build_model
+from specair.models.medusa import save_medusa
+from specair.runtime.llm import LLM
+from specair.runtime.params import SamplingParams
+from specair.runtime.tensor_parallel import TensorParallelError
+
+# Prompts of 5 to 150 tokens: the longest prefills in two chunks while the others decode.
+PROMPTS = [[3, 7, 11, 3, 7, 11, 3, 7], list(range(20, 170)), [9, 8, 7, 6, 5], list(range(60, 100, 2)) * 2]
+# float64: the ranks sum partial products in another order than one process, so in float32 a sample whose
+# uniform or nucleus boundary sits within rounding of a probability boundary can differ (seen at top-p 0.9).
+KW = dict(max_context=256, batch_buckets=(1, 2, 4), dtype="fp64")
+CASES = {
+    "autoregressive": None,
+    # disable_by_batch_size 1: a step speculates only while one row runs, so runs mix both kinds of step.
+    "draft_model": {"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 3, "tree": "kary:3x2"},
+    "layer_skip": {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3},
+    "eagle": {"method": "eagle", "model": "HEADS", "num_speculative_tokens": 3, "tree": "topk:2x5"},
+    "medusa": {"method": "medusa", "model": "HEADS", "num_speculative_tokens": 2, "tree": [[0], [1], [0, 0], [0, 1]]},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    save_tiny("llama-tied", root / "target", num_hidden_layers=3, max_position_embeddings=512)
+    save_tiny("llama", root / "draft", seed=1, num_hidden_layers=1, max_position_embeddings=512)
+    ckpt = load_checkpoint(root / "target", progress=False)
+    target = build_model(ckpt.config, ckpt.state_dict)
+    save_eagle(random_heads(target, CASES["eagle"]), root / "eagle")
+    save_medusa(random_heads(target, CASES["medusa"]), root / "medusa")
+    return root
+
+
+def spec_for(name, root):
+    spec = CASES[name]
+    if spec is None:
+        return None
+    path = {"draft_model": root / "draft", "eagle": root / "eagle", "medusa": root / "medusa"}.get(name)
+    return {**spec, **({"model": str(path)} if path else {}), "disable_by_batch_size": 1}
+
+
+def trace(directory, rank):
+    steps = []
+    for line in (directory / f"rank{rank}.jsonl").read_text().splitlines():
+        item = json.loads(line)
+        if "step" in item:
+            steps.append((item["step"], []))
+        else:
+            steps[-1][1].append(item["graph"].split(".")[0])
+    return steps
+
+
+def check_order(steps, speculative):
+    """The protocol's order: a speculative step runs the draft, then the target's verify; a plain step the
+    target's decode (the draft catches up before its next proposal); a prefill chunk the target, then the
+    draft's own prefill."""
+    target = {"prefill", "decode", "verify"}
+    kinds = set()
+    for meta, calls in steps:
+        cut = calls.index("prefill") if "prefill" in calls else len(calls)
+        decode, prefill = calls[:cut], calls[cut:]
+        if meta["rows"]:
+            if meta["no_spec"]:
+                assert decode == ["decode"], (meta, calls)
+            else:
+                assert decode[-1] == "verify" and not target & set(decode[:-1]), (meta, calls)
+        kinds.add((meta["no_spec"], meta["prefill"]))
+        assert bool(prefill) == meta["prefill"], (meta, calls)
+        if prefill:
+            assert not target & set(prefill[1:]), (meta, calls)
+            assert meta["run_spec_proposer_for_prefill"] == speculative
+    if speculative:  # the prompts make every combination happen
+        assert {(True, True), (True, False), (False, True), (False, False)} <= kinds, kinds
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_ranks_equal_one_process(models, name, tmp_path, monkeypatch):
+    spec = spec_for(name, models)
+    # Budgets that end apart: the last request decodes alone (speculating) after the others finish.
+    greedy = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 24, 16, 64)]
+    seeded = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, top_p=0.9, seed=s) for s in range(4)]
+    with LLM(str(models / "target"), spec, **KW) as one:
+        want = [[r.token_ids for r in one.generate(PROMPTS, p)] for p in (greedy, seeded)]
+    monkeypatch.setenv("SPECAIR_TP_TRACE", str(tmp_path))
+    with LLM(str(models / "target"), spec, tensor_parallel_size=2, **KW) as two:
+        assert two.engine.group.world == 2
+        got = [[r.token_ids for r in two.generate(PROMPTS, p)] for p in (greedy, seeded)]
+    assert got[0] == want[0]
+    assert got[1] == want[1]
+    rank0, rank1 = trace(tmp_path, 0), trace(tmp_path, 1)
+    assert rank0 == rank1  # the same decisions and the same graphs, in the same order, on both ranks
+    check_order(rank0, spec is not None)
+
+
+def test_dead_worker_ends_the_driver_naming_it(models):
+    llm = LLM(str(models / "target"), tensor_parallel_size=2, **KW)
+    worker = llm.engine.group.procs[1]
+    events = llm.stream(PROMPTS[0], SamplingParams(max_tokens=240, ignore_eos=True))
+    next(events)  # under way
+    worker.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with signal SIGKILL"):
+        for _ in events:
+            pass
+    assert time.monotonic() - killed < 30
+    with pytest.raises(TensorParallelError, match="rank 1"):  # the group is over, and says why
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4))
+    llm.close()
+
+
+def test_hung_worker_times_out_naming_it(models, monkeypatch):
+    monkeypatch.setenv("SPECAIR_TP_TIMEOUT", "6")
+    llm = LLM(str(models / "target"), tensor_parallel_size=2, **KW)
+    worker = llm.engine.group.procs[1]
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4))
+    worker.send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 .*stopped responding"):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=50, ignore_eos=True))
+    assert time.monotonic() - t0 < 30
+    assert worker.poll() is not None  # ended with the group, though stopped
+    llm.close()
+
+
+def test_bad_setups_are_refused(models):
+    with pytest.raises(InputError, match="onnx backend cannot run tensor-parallel"):
+        LLM(str(models / "target"), backend="onnx", tensor_parallel_size=2, **KW)
+    with pytest.raises(ModelFormatError, match="needs at least 3 KV heads"):
+        LLM(str(models / "target"), tensor_parallel_size=3, **KW)
+    with pytest.raises(InputError, match="--artifacts cannot be combined"):
+        LLM(str(models / "target"), artifacts=str(models), tensor_parallel_size=2, **KW)
+
+
+def _children(pid):
+    try:
+        return [int(c) for t in os.listdir(f"/proc/{pid}/task")
+                for c in open(f"/proc/{pid}/task/{t}/children").read().split()]
+    except OSError:
+        return []
+
+
+def test_server_answers_503_and_exits_when_a_worker_dies(models, tmp_path):
+    import httpx
+
+    port = 18000 + os.getpid() % 1000
+    log = open(tmp_path / "server.log", "wb")
+    server = subprocess.Popen([sys.executable, "-m", "specair.runtime.server", "--model", str(models / "target"),
+                               "--tensor-parallel-size", "2", "--port", str(port), "--max-context", "256",
+                               "--batch-buckets", "1,2"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert server.poll() is None, (tmp_path / "server.log").read_text()
+            time.sleep(0.2)
+        body = {"model": "target", "prompt": [1, 2, 3], "max_tokens": 8}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        workers = [c for c in _children(server.pid) if "tensor_parallel" in open(f"/proc/{c}/cmdline").read()]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        statuses = set()
+        while server.poll() is None and time.monotonic() - t0 < 30:
+            try:
+                statuses.add(httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code)
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        assert server.wait(30) != 0
+        assert 503 in statuses, statuses
+        assert time.monotonic() - t0 < 30
+        assert not os.path.exists(f"/proc/{workers[0]}") or "Z" in open(f"/proc/{workers[0]}/stat").read().split()[2]
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait()
