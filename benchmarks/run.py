@@ -95,15 +95,16 @@ class BenchConfig:
     artifacts: str | None = None
     name: str | None = None
     quantize: str | None = None  # weight-only quantization, as recorded in the artifacts' manifest
+    tensor_parallel_size: int = 1
 
     @property
     def label(self) -> str:
         return self.name or config_name(self)
 
     @property
-    def baseline_key(self) -> tuple[str, str, str | None]:
-        """Configurations with the same key share an autoregressive baseline (same arithmetic and backend)."""
-        return (self.backend, self.dtype, self.quantize)
+    def baseline_key(self) -> tuple[str, str, str | None, int]:
+        """Configurations with the same key share an autoregressive baseline (same arithmetic, backend and ranks)."""
+        return (self.backend, self.dtype, self.quantize, self.tensor_parallel_size)
 
 
 def config_name(cfg: BenchConfig) -> str:
@@ -121,7 +122,8 @@ def config_name(cfg: BenchConfig) -> str:
         extra = " ".join(f"{k}={show(k, v)}" for k, v in s.items() if k not in ("method", "num_speculative_tokens"))
         name = f"{s['method']} k={s['num_speculative_tokens']}" + (f" {extra}" if extra else "")
     tags = [t for t in (cfg.backend if cfg.backend != "eager" else "", cfg.dtype if cfg.dtype != "fp32" else "",
-                        cfg.quantize or "") if t]
+                        cfg.quantize or "", f"tp{cfg.tensor_parallel_size}" if cfg.tensor_parallel_size > 1 else "")
+            if t]
     return name + (f" [{' '.join(tags)}]" if tags else "")
 
 
@@ -148,11 +150,14 @@ def _from_artifacts(artifacts: str, spec: dict[str, Any] | None) -> dict[str, An
 
 
 def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
-                  acceptances: Sequence[str] = (), dtype: str = "fp32") -> list[BenchConfig]:
+                  acceptances: Sequence[str] = (), dtype: str = "fp32",
+                  tensor_parallel_size: int = 1) -> list[BenchConfig]:
     """Expand configuration entries into BenchConfigs, autoregressive baselines first.
 
     An entry is null (autoregressive), a speculative config ({"method": ...}), or an object with any of
-    "speculative_config", "backend", "dtype", "quantize" (onnx: int4, int8), "artifacts", "name". Entries
+    "speculative_config", "backend", "dtype", "quantize" (onnx: int4, int8), "artifacts", "name",
+    "tensor_parallel_size" (default `tensor_parallel_size`; at most one configuration may use more than one rank:
+    a process drives one torch.distributed group). Entries
     without a backend run on every one of `backends`; speculative ones without "acceptance" run with each of
     `acceptances` (when given). Every (backend, dtype, quantize) gets an autoregressive baseline unless an
     entry already is one (artifact directories excepted: they are compiled for one proposer).
@@ -165,7 +170,8 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
             entry = {"speculative_config": entry}
         if not isinstance(entry, dict):
             raise InputError(f"a configuration must be null, a speculative config or an object, got {entry!r}")
-        unknown = set(entry) - {"speculative_config", "backend", "dtype", "quantize", "artifacts", "name"}
+        unknown = set(entry) - {"speculative_config", "backend", "dtype", "quantize", "artifacts", "name",
+                                "tensor_parallel_size"}
         if unknown:
             raise InputError(f"unknown configuration key(s) {sorted(unknown)}")
         spec = entry.get("speculative_config")
@@ -189,17 +195,21 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
                 name = entry.get("name")
                 if name and len(specs) > 1:
                     name += f" ({sp['acceptance']})"
-                out.append(BenchConfig(sp, be, entry.get("dtype", dtype), name=name,
-                                       quantize=entry.get("quantize")))
+                out.append(BenchConfig(sp, be, entry.get("dtype", dtype), name=name, quantize=entry.get("quantize"),
+                                       tensor_parallel_size=int(entry.get("tensor_parallel_size",
+                                                                          tensor_parallel_size))))
     # Baselines: any autoregressive configuration; one is added per (backend, dtype) that lacks it (not for
     # artifacts: their speculative configurations fall back to the reference when no autoregressive artifact
     # with the same backend and quantization is listed).
     baselines = {c.baseline_key for c in out if c.speculative_config is None}
-    needed = [BenchConfig(None, be, dt, quantize=q) for be, dt, q in
-              dict.fromkeys(c.baseline_key for c in out if not c.artifacts) if (be, dt, q) not in baselines]
+    needed = [BenchConfig(None, be, dt, quantize=q, tensor_parallel_size=tp) for be, dt, q, tp in
+              dict.fromkeys(c.baseline_key for c in out if not c.artifacts) if (be, dt, q, tp) not in baselines]
     configs = out + needed
+    if sum(c.tensor_parallel_size > 1 for c in configs) > 1:
+        raise InputError("at most one configuration may use tensor_parallel_size > 1 (a process drives one "
+                         "torch.distributed group; an autoregressive one is its own baseline)")
     # Baselines first, plain eager fp32 first among them (the reference); the listed order otherwise kept.
-    configs.sort(key=lambda c: (c.speculative_config is not None, c.baseline_key != ("eager", "fp32", None)))
+    configs.sort(key=lambda c: (c.speculative_config is not None, c.baseline_key != ("eager", "fp32", None, 1)))
     names = [c.label for c in configs]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -241,10 +251,12 @@ class SpecairRunner:
         from specair.runtime.llm import LLM
 
         spec = None if config.artifacts else config.speculative_config  # artifacts carry their own
+        tp = config.tensor_parallel_size  # its ranks share the threads
         self.llm = LLM(model, spec, backend=config.backend, artifacts=config.artifacts,
                        dtype=config.dtype, max_context=None if config.artifacts else max_context,
-                       batch_buckets=tuple(batch_buckets), threads=threads, max_waiting=max(64, *batch_buckets),
-                       quantize=None if config.artifacts else config.quantize, device=device)
+                       batch_buckets=tuple(batch_buckets), threads=threads if threads is None else max(1, threads // tp),
+                       max_waiting=max(64, *batch_buckets), quantize=None if config.artifacts else config.quantize,
+                       device=device, tensor_parallel_size=tp)
         self.tokenizer = self.llm.tokenizer
         self.llm.engine.graphs.load_pending()
 
@@ -490,6 +502,7 @@ class BenchOptions:
     backends: tuple[str, ...] = ("eager",)
     acceptances: tuple[str, ...] = ()
     dtype: str = "fp32"
+    tensor_parallel_size: int = 1
     max_tokens: int = 128
     ignore_eos: bool = False
     temperature: float = 0.0
@@ -573,7 +586,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         raise InputError("batch sizes and --rounds must be positive")
     records = load_prompt_set(opts.prompts)[:opts.num_prompts]
     configs = parse_configs(opts.config_entries if opts.config_entries is not None
-                            else default_config_entries(opts.model), opts.backends, opts.acceptances, opts.dtype)
+                            else default_config_entries(opts.model), opts.backends, opts.acceptances, opts.dtype,
+                            opts.tensor_parallel_size)
     peers = _peer_list(opts)
     out_dir = Path(opts.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -595,7 +609,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         runners[c.label] = make_runner(spec)
         base = c.label if c.speculative_config is None else baseline_of.get(c.baseline_key)
         if base is None:
-            base = baseline_of.get(("eager", c.dtype, None), configs[0].label)
+            base = baseline_of.get(("eager", c.dtype, None, 1), configs[0].label)
             notes.append(f"{c.label}: no autoregressive configuration with the same backend and quantization "
                          f"was listed; its speedup is over {base}")
         entries.append(Entry(c.label, "specair", base, spec))
@@ -775,6 +789,8 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--acceptance", type=_csv(str), default=(),
                    help="acceptance methods to cross with every speculative config without one, e.g. rejection,typical")
     p.add_argument("--dtype", default="fp32", help="dtype for configurations that name none")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="ranks for configurations that name none (sharing --threads)")
     p.add_argument("--device", help="where specair's models and graph inputs live (default: each backend's device)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens for every prompt")
@@ -824,7 +840,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     peers = args.peers if args.peers in ("auto", "none") else _csv(str)(args.peers)
     return BenchOptions(
         model=args.model, prompts=args.prompts, num_prompts=args.num_prompts, config_entries=entries,
-        backends=args.backends, acceptances=args.acceptance, dtype=args.dtype, max_tokens=args.max_tokens,
+        backends=args.backends, acceptances=args.acceptance, dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size, max_tokens=args.max_tokens,
         ignore_eos=args.ignore_eos, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, batch_sizes=args.batch_sizes, rounds=args.rounds, warmup_tokens=args.warmup_tokens,
         peers=peers, hf_model=args.hf_model, gguf=args.gguf, assistant=args.assistant,

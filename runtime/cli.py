@@ -78,7 +78,8 @@ def _engine(args: argparse.Namespace):
     backend = None if args.artifacts and args.backend == "auto" else args.backend
     return open_engine(args.model, args.dtype, args.speculative_config, backend, args.artifacts,
                        args.max_context, args.threads, getattr(args, "batch_buckets", (1,)),
-                       quantize=getattr(args, "quantize", None), device=getattr(args, "device", None))
+                       quantize=getattr(args, "quantize", None), device=getattr(args, "device", None),
+                       tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
 def _stream(engine, ids: list[int], params, echo: bool):
@@ -159,6 +160,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_compile(args: argparse.Namespace) -> None:
+    if args.tensor_parallel_size != 1:
+        raise InputError("specair compile builds one process's graphs; with --tensor-parallel-size, generate, chat "
+                         "and serve compile each rank's shard into specair's cache at start-up")
     from specair.runtime.build import compile_plan
 
     compile_plan(args.model, args.dtype, args.speculative_config, args.backend, args.out, args.buckets,
@@ -197,7 +201,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    help='e.g. \'{"method": "layer_skip", "num_layers": 8, "num_speculative_tokens": 4}\'')
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--max-context", type=int, help="tokens of context to allocate (default: the model's; 2048 with --backend auto)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch and onnxruntime")
+    p.add_argument("--threads", type=int, help="CPU threads for torch and onnxruntime (per rank with --tensor-parallel-size)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the model over N processes started by specair (torch.distributed; default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:

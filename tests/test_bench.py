@@ -104,7 +104,7 @@ def test_parse_configs_expands_and_adds_baselines():
     # Quantized weights are other arithmetic: their speculative configs get a quantized baseline.
     q = bench.parse_configs([{"speculative_config": ls, "backend": "onnx", "quantize": "int4"}])
     assert [c.label for c in q] == ["autoregressive [onnx int4]", "layer_skip k=2 num_layers=1 [onnx int4]"]
-    assert q[0].baseline_key == q[1].baseline_key == ("onnx", "fp32", "int4")
+    assert q[0].baseline_key == q[1].baseline_key == ("onnx", "fp32", "int4", 1)
     with pytest.raises(InputError, match="num_speculative_tokens"):
         bench.parse_configs([{"method": "layer_skip", "num_layers": 1}])
     with pytest.raises(InputError, match="share the name"):

@@ -87,9 +87,11 @@ def test_prefill_and_decode_compile(model):
              lambda kv: (tokens[:, 0], torch.tensor([5, 40]), *kv, *SAMPLING, torch.tensor([0.3, 0.6])))
 
 
-@pytest.mark.parametrize("tree", ["chain", "kary:2x2", "mc_sim_7b_63"])
+# A chain and a static tree; the larger static trees (mc_sim_7b_63) are the same graph code at another size,
+# compared with eager in test_speculative.py.
+@pytest.mark.parametrize("tree", ["chain", "kary:2x2"])
 def test_draft_and_verify_compile(model, tree):
-    tpl = get_template(None if tree == "chain" else tree, 3 if tree != "mc_sim_7b_63" else 4)
+    tpl = get_template(None if tree == "chain" else tree, 3)
     D = tpl.max_depth
     caches = filled_cache(model)
     catch = torch.randint(0, 256, (B, D + 1))
