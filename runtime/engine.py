@@ -48,6 +48,7 @@ class StepMeta:
     prefill: bool = False  # one prefill chunk runs after the decode
     shape: int | None = None  # the speculative shape of the decode step; None: plain decoding
     variant: str | None = None  # the sampling variant of the decode step
+    chosen: bool = False  # the adaptive choice picked `shape` (None included): its speed is recorded
     num_lookahead_slots: int = 0
     no_spec: bool = True
     disable_all_speculation: bool = False  # more rows than disable_by_batch_size
@@ -172,10 +173,12 @@ class Engine:
         prefills a chunk (a waiting one starts when a row is free)."""
         rows, spec = self.rows, self.plan.speculative
         variant = shape = None
+        chosen = False
         if rows:
             variant = self.plan.variant_for(max((s.req.variant for s in rows), key=VARIANTS.index))
             if self.sched.speculates() and self.proposer.can_speculate(rows):
-                shape = self.adaptive.choose() if self.adaptive is not None and variant == "greedy" else 0
+                chosen = self.adaptive is not None and variant == "greedy"
+                shape = self.adaptive.choose() if chosen else 0
         waiting = self.sched.prefilling is None
         s = self.sched.next_prefill()
         new = None
@@ -184,7 +187,7 @@ class Engine:
             new = (s.request_id, s.prompt, params)
         return StepMeta(
             rows=tuple(x.request_id for x in rows), aborts=aborts, new=new, prefill=s is not None, shape=shape,
-            variant=variant, num_lookahead_slots=0 if shape is None else self.plan.trees[shape].depth,
+            variant=variant, chosen=chosen, num_lookahead_slots=0 if shape is None else self.plan.trees[shape].depth,
             no_spec=shape is None,
             disable_all_speculation=bool(spec and spec.disable_by_batch_size is not None
                                          and len(rows) > spec.disable_by_batch_size),
@@ -279,7 +282,7 @@ class Engine:
         shape, variant = meta.shape, meta.variant
         t0 = time.perf_counter()
         per_row = self._plain_step(B, variant) if shape is None else self._speculative_step(B, variant, shape)
-        if shape is not None and self.adaptive is not None and variant == "greedy":
+        if meta.chosen:
             self.adaptive.record(shape, sum(len(toks) for toks, _ in per_row), time.perf_counter() - t0)
         events = [self.output.emit(s, toks, draft)[1] for s, (toks, draft) in zip(list(self.rows), per_row)]
         for i in range(len(self.rows) - 1, -1, -1):

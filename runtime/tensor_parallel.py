@@ -109,16 +109,15 @@ class Group:
         deadline = time.monotonic() + 2  # a killed worker's sockets close before its exit status is ready
         while True:
             for r, p in sorted(self.procs.items()):
+                msg = _get(self.store, f"error/{r}")
+                if msg:
+                    return f"tensor-parallel rank {r} failed: {msg}"
                 if p.poll() is not None:
                     return (f"tensor-parallel rank {r} (pid {p.pid}) exited with {_exit_status(p.returncode)}"
                             f"{_tail(self.logs, r)}")
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        for r in sorted(self.procs):
-            msg = _get(self.store, f"error/{r}")
-            if msg:
-                return f"tensor-parallel rank {r} failed: {msg}"
         now = time.time()
         for r in sorted(self.procs):
             seen = _get(self.store, f"alive/{r}")
