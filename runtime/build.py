@@ -277,7 +277,7 @@ def _tensor_parallel_engine(kwargs: dict[str, Any], world: int) -> Engine:
     cls = type(get_backend(backend, kwargs["threads"], quantize=kwargs["quantize"]))
     if not cls.tensor_parallel:
         raise InputError(f"the {backend} backend cannot run tensor-parallel: {cls.tensor_parallel_why}; use "
-                         f"--backend eager, inductor or aoti on CPU (cuda or npu on accelerators)")
+                         f"--backend eager or inductor on CPU (cuda or npu on accelerators)")
     device = kwargs["device"] or cls.device
     if kwargs["threads"] is None and torch.device(device).type == "cpu":
         kwargs["threads"] = max(1, (os.cpu_count() or 1) // world)  # the ranks share this machine's cores

@@ -169,6 +169,9 @@ class AotiGraph:
 
 class AotiBackend(Backend):
     name = "aoti"
+    tensor_parallel = False
+    tensor_parallel_why = ("an AOTInductor package's collective never completed beside a worker's (seen with torch "
+                           "2.13 on gloo: the first graph's wait_tensor timed out)")
 
     def __init__(self, threads: int | None = None, inductor_configs: dict[str, Any] | None = None) -> None:
         super().__init__(threads)
