@@ -260,6 +260,7 @@ def launch(world: int, device: str, engine_kwargs: dict[str, Any], build: Callab
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
+            p.wait()
 
     try:
         _wait(store, procs, logs, "joined", "joining the process group")
