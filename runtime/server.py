@@ -91,6 +91,8 @@ def _validation_message(err: dict[str, Any]) -> tuple[str, str | None]:
     if kind == "extra_forbidden":
         return f"unknown or unsupported field '{param}'", param
     if kind == "missing":
+        if param is None:
+            return "the request body is empty: send a JSON object", None
         return f"missing required field '{param}'", param
     msg = msg.removeprefix("Value error, ")
     if param is None:
@@ -200,15 +202,21 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    # Required except for an assistant turn, as OpenAI's schema has it (checked even when absent).
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, v: Any) -> Any:
+    def _text_only(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"a {info.data['role']} message needs content (a string or a list of text parts)")
         if isinstance(v, list):
-            for part in v:
-                if isinstance(part, dict) and part.get("type") != "text":
+            for i, part in enumerate(v):
+                if not isinstance(part, dict):
+                    raise ValueError(f"content part {i} must be an object like "
+                                     '{"type": "text", "text": "..."}')
+                if part.get("type") != "text":
                     raise ValueError(f"content part of type {part.get('type')!r} is not supported; "
                                      "only text parts are")
         return v

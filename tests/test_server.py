@@ -319,6 +319,15 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}]},
+     400, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ["hi"]}]}, 400, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", b"", 400, None),
+    ("/v1/completions", b"", 400, None),
+    ("/v1/chat/completions", b"{}", 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages.0.content"),
@@ -336,7 +345,8 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(url: str, path: st
         r = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
     else:
         r = post(url, path, body)
-    assert_openai_error(r, status, param)
+    err = assert_openai_error(r, status, param)
+    assert "'None'" not in err["message"] and (param is None or param.rsplit(".", 1)[-1] in err["message"]), err
     assert complete(url, prompt="still here", max_tokens=2)["usage"]["completion_tokens"] >= 1
 
 
