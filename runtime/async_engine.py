@@ -205,10 +205,15 @@ class AsyncEngine:
             if sink is not None and event.result is not None:
                 sink.finished = True
                 del self._sinks[rid]
+        failed = event.result is not None and event.result.finish_reason == "error"
         if self.metrics is not None:
-            self.metrics.observe_event(event, sink.clock if sink is not None else None, now)
+            if failed:
+                self.metrics.observe_failure()
+            else:
+                self.metrics.observe_event(event, sink.clock if sink is not None else None, now)
         if sink is not None:
-            self._deliver(sink, event)
+            self._deliver(sink, RequestFailedError(f"the engine failed while serving this request: "
+                                                   f"{event.result.extra['error']}") if failed else event)
 
     def _fail_step(self, error: Exception) -> None:
         """Fail the request the exception names, else every request in flight, and abort them in the engine."""

@@ -10,6 +10,7 @@ device tensors), `output` (text, stops, results) and the proposer (runtime/propo
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -31,6 +32,9 @@ from specair.runtime.params import SamplingParams, StreamEvent
 from specair.runtime.proposers import Proposer, Step
 from specair.runtime.scheduler import QueueFullError, Scheduler, Seq  # noqa: F401 (QueueFullError: public)
 from specair.runtime.tensor_parallel import Group, held
+
+
+logger = logging.getLogger("specair.engine")
 
 
 class EngineDiverged(SpecairError):
@@ -198,8 +202,20 @@ class Engine:
             self.trace.append({"step": meta.trace()})
         events = self._decode(meta) if self.rows else []
         if meta.prefill:
-            events += self._prefill_chunk(self.sched.prefilling)
+            s = self.sched.prefilling
+            try:
+                events += self._prefill_chunk(s)
+            except Exception as e:  # a prompt's own pass: only its request fails
+                if self.group is not None or s in self.rows:
+                    raise  # ranks that disagree cannot go on; a row half inserted is not its alone
+                self.sched.prefilling = None
+                events.append(self._fail(s, e))
         return events
+
+    def _fail(self, s: Seq, error: Exception) -> StreamEvent:
+        """Fail one request on an error that is its own; the others go on."""
+        logger.exception("request %s failed", s.request_id)
+        return self.output.fail(s, error)
 
     def _abort(self, rid: str) -> list[StreamEvent]:
         found = self.sched.find(rid)
@@ -284,7 +300,14 @@ class Engine:
         per_row = self._plain_step(B, variant) if shape is None else self._speculative_step(B, variant, shape)
         if meta.chosen:
             self.adaptive.record(shape, sum(len(toks) for toks, _ in per_row), time.perf_counter() - t0)
-        events = [self.output.emit(s, toks, draft)[1] for s, (toks, draft) in zip(list(self.rows), per_row)]
+        events = []
+        for s, (toks, draft) in zip(list(self.rows), per_row):
+            try:
+                events.append(self.output.emit(s, toks, draft)[1])
+            except Exception as e:  # its text or stop handling: that row alone finishes (removed below)
+                if self.group is not None:
+                    raise
+                events.append(self._fail(s, e))
         for i in range(len(self.rows) - 1, -1, -1):
             if self.rows[i].finish is not None:
                 self._remove_row(i)

@@ -58,6 +58,12 @@ class Output:
             prefill_tokens_per_s=len(s.prompt) / (t_first - s.t0) if t_first > s.t0 else 0.0, extra=extra)
         return StreamEvent(tail, [], result, s.request_id)
 
+    def fail(self, s: Seq, error: BaseException) -> StreamEvent:
+        """The last event of a request the engine failed on alone (finish reason "error")."""
+        ev = self.finish(s, "error")
+        ev.result.extra["error"] = f"{type(error).__name__}: {error}"
+        return ev
+
     @staticmethod
     def count_draft(s: Seq, depth: int, accepted: int) -> None:
         """Speculation counters of one verify step: `depth` drafted, `accepted` of them kept."""

@@ -52,7 +52,7 @@ class GenerationResult:
     token_ids: list[int]
     num_prompt_tokens: int
     num_generated_tokens: int
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string), "length", "abort", or "error" (extra["error"] says why)
     ttft_s: float
     decode_tokens_per_s: float
     prefill_tokens_per_s: float

@@ -277,3 +277,48 @@ def test_prompts_prefill_on_the_smallest_chunk_that_holds_them(tiny64, alone):
     chunks = [(c, shape) for kind, c, shape in calls if kind == "prefill"]
     # PROMPTS lengths 19, 3, 40, 7, 40: 32; 16; 64; 16; 64 (the plan's own chunk is GraphKey.chunk 0).
     assert chunks == [(32, (1, 32)), (16, (1, 16)), (0, (1, 64)), (16, (1, 16)), (0, (1, 64))]
+
+
+class Exploding:
+    """A sequence's text assembly that breaks at its n-th token (a fault that belongs to one request)."""
+
+    def __init__(self, after: int) -> None:
+        self.left, self.stopped = after, False
+
+    def add(self, token: int) -> str:
+        self.left -= 1
+        if self.left < 0:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "broken on purpose")
+        return ""
+
+    def finish(self) -> str:
+        return ""
+
+    text = ""
+
+
+@pytest.mark.parametrize("name", ["autoregressive", "draft chain"])
+def test_a_raising_sequence_fails_alone(tiny64, alone, name):
+    """A request whose own step work raises (here its text assembly, in decode and in its first token) ends
+    with finish reason "error" and the error; the requests beside it in the same steps give what they give
+    alone."""
+    spec = CONFIGS[name]
+    engine = engine_from_models(tiny64[0], None, tiny64[1] if spec else None, spec, prefill_chunk=16,
+                                batch_buckets=(1, 2, 4))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(PROMPTS, BUDGETS)]
+    doomed = {ids[1]: 5, ids[3]: 0}  # one breaks mid-decode, one at its first token (the prefill's)
+    for s in engine.sched._inbox:
+        if s.request_id in doomed:
+            s.text = Exploding(doomed[s.request_id])
+    results = {}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.result is not None:
+                results[ev.request_id] = ev.result
+    for i, rid in enumerate(ids):
+        r = results[rid]
+        if rid in doomed:
+            assert r.finish_reason == "error" and "broken on purpose" in r.extra["error"]
+        else:
+            assert r.finish_reason == "length" and r.token_ids == alone[i]
+    assert not engine.rows and engine.sched.prefilling is None

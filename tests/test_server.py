@@ -429,6 +429,7 @@ def test_client_leaving_before_a_non_streamed_answer_aborts_it(url: str) -> None
 # ---- engine failures (in-process: the only way to make a healthy engine fail on cue) ---------------------------
 
 POISON_SEED = 666  # a request with this seed makes the wrapped engine's next step fail, naming that request
+EXPLODE_SEED = 667  # a request with this seed breaks inside the engine, in its own text assembly
 
 
 class EngineFault(RuntimeError):
@@ -452,6 +453,11 @@ class FaultyEngine:
         rid = self._engine.add_request(prompt_ids, params, request_id)
         if params.seed == POISON_SEED:
             self.poisoned = rid
+        if params.seed == EXPLODE_SEED:
+            from test_engine import Exploding
+
+            with self._engine.sched._lock:
+                next(s for s in self._engine.sched._inbox if s.request_id == rid).text = Exploding(3)
         return rid
 
     def step(self) -> list:
@@ -511,6 +517,23 @@ def test_engine_error_fails_its_request_only_and_serving_goes_on(faulty: Any) ->
     assert "error" in rest[-1] and rest[-1]["error"]["code"] == "engine_error"
     assert complete(url, **body)["choices"] == alone["choices"]
     assert scrape(url)[("specair:request_failure_total", frozenset())] == 2
+
+
+def test_a_request_that_breaks_in_the_engine_fails_alone(faulty: Any) -> None:
+    """The engine names the sequence that raised: its request gets a 500, the one decoding beside it in the
+    same steps is unharmed and equal to its solo run."""
+    url, _ = faulty
+    body = {"prompt": "A survivor", "max_tokens": 48, **GREEDY}
+    alone = complete(url, **body)
+    failures = metric(scrape(url), "specair:request_failure_total")
+    with ThreadPoolExecutor(1) as pool:
+        survivor = pool.submit(complete, url, **body)
+        wait_for(url, lambda m: metric(m, "specair:num_requests_running") == 1)
+        err = assert_openai_error(post(url, "/v1/completions", {"prompt": "explode", "max_tokens": 24, **GREEDY,
+                                                                 "seed": EXPLODE_SEED}), 500)
+        assert err["code"] == "engine_error" and "broken on purpose" in err["message"]
+        assert survivor.result()["choices"] == alone["choices"]
+    assert metric(scrape(url), "specair:request_failure_total") == failures + 1
 
 
 def test_engine_failing_step_after_step_is_declared_dead(faulty: Any) -> None:
