@@ -94,6 +94,11 @@ class GraphSet:
         return self.catalog.device
 
     @property
+    def any_cache_length(self) -> bool:
+        """Whether graphs take caches sized by the context in use (see Backend.any_cache_length)."""
+        return self.backend.any_cache_length and not self.static_buffers
+
+    @property
     def static_buffers(self) -> bool:
         """Whether the backend captures graphs on bound buffers (and so wants persistent caches)."""
         return hasattr(self.backend, "bind_static")

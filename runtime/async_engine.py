@@ -102,6 +102,8 @@ class AsyncEngine:
             group.on_failure.append(lambda e: self._kill(str(e), fatal=True))
         if metrics is not None:
             metrics.watch_queue(lambda: int(engine.num_running), lambda: int(engine.num_waiting))
+            if hasattr(engine, "kv_usage"):
+                metrics.watch_kv(engine.kv_usage)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 

@@ -80,7 +80,8 @@ class Engine:
         roles = {"target": target}
         if proposer is not None and proposer.has_cache:
             roles["draft"] = proposer.draft
-        self.kv = KVSlots(roles, self.plan, self.device, graphs, persistent=graphs.static_buffers)
+        self.kv = KVSlots(roles, self.plan, self.device, graphs, persistent=graphs.static_buffers,
+                          any_length=graphs.any_cache_length)
         self.state = BatchState(self.num_slots, target.dtype, self.device)
         if proposer is not None:
             proposer.attach(graphs, self.kv)
@@ -124,6 +125,11 @@ class Engine:
     @property
     def rows(self) -> list[Seq]:
         return self.sched.rows
+
+    def kv_usage(self) -> tuple[int, int]:
+        """(bytes of KV the running sequences' committed tokens use, bytes the KV caches hold)."""
+        held, per_slot = self.kv.nbytes()
+        return sum(s.committed for s in list(self.rows)) * per_slot, held
 
     @property
     def num_running(self) -> int:
@@ -234,7 +240,8 @@ class Engine:
 
     def _insert_row(self, s: Seq) -> None:
         row = len(self.rows)
-        self.kv.resize(row + 1, max((len(x.seq) for x in self.rows), default=0))
+        self.kv.resize(row + 1, max((len(x.seq) for x in self.rows), default=0),
+                       max([s.committed] + [x.committed for x in self.rows]))
         self.rows.append(s)
         self.kv.insert(row, s.committed)
         self.state.set_row(row, s)
@@ -249,7 +256,9 @@ class Engine:
         rows.pop()
         self.state.clear_row(last)
         if rows:
-            self.kv.resize(len(rows), max(len(s.seq) for s in rows))
+            self.kv.resize(len(rows), max(len(s.seq) for s in rows), max(s.committed for s in rows))
+        elif self.sched.prefilling is None:
+            self.kv.release()
 
     # ---- prefill ------------------------------------------------------------------------------------
 
@@ -258,6 +267,7 @@ class Engine:
         if s.prefilled == 0 and self.proposer is not None:
             self.proposer.start(s)
         start = s.prefilled
+        self.kv.fit_scratch(start)
         chunk = self.plan.chunk_for(len(s.prompt) - start)
         n = min(chunk, len(s.prompt) - start)
         tokens = torch.zeros(1, chunk, dtype=torch.long)
@@ -293,6 +303,8 @@ class Engine:
     # ---- decoding -----------------------------------------------------------------------------------
 
     def _decode(self, meta: StepMeta) -> list[StreamEvent]:
+        rows = self.rows  # room for the context the rows reached in the last step
+        self.kv.resize(len(rows), max(len(s.seq) for s in rows), max(s.committed for s in rows))
         B = self.kv.B
         self.bucket_steps[B] += 1
         shape, variant = meta.shape, meta.variant

@@ -9,6 +9,12 @@ With a static-buffer backend (CUDA graphs, aclgraph) every bucket's caches are a
 to the graphs before any is built, so graphs read them in place (all buckets together hold
 sum(buckets) rows); a bucket change copies only the used context of the running rows. Elsewhere a
 bucket change allocates the new bucket's caches and frees the old ones.
+
+Memory follows the work where graphs take caches of any length (eager): each row holds the context bucket
+of the longest running sequence plus the spare slots, not the plan's maximum context, and the caches are
+reallocated (the used slots copied, the old set freed) when the batch bucket or that context bucket
+changes: up as sequences grow, down when the longest leaves. The prefill scratch grows with its prompt
+the same way. Compiled graphs with a fixed cache shape keep the full slot count.
 """
 
 from __future__ import annotations
@@ -30,11 +36,14 @@ class KVSlots:
     """Caches by role ("target", "draft") for the current batch bucket, plus one-row prefill scratch."""
 
     def __init__(self, models: dict[str, Any], plan: Plan, device: torch.device, graphs: Any,
-                 persistent: bool) -> None:
+                 persistent: bool, any_length: bool = False) -> None:
         self.models, self.plan, self.device, self.persistent = models, plan, device, persistent
+        self.any_length = any_length and not persistent
         self.B = 0
+        self.cap = 0  # slots per row of the current caches
         with torch.inference_mode():  # like every graph input: compiled graphs guard on the tensor kind
-            self.scratch = {r: m.empty_cache(1, plan.slots, device) for r, m in models.items()}
+            self.scratch_cap = self._cap(1)
+            self.scratch = {r: m.empty_cache(1, self.scratch_cap, device) for r, m in models.items()}
             self.caches: dict[str, Caches | None] = {r: None for r in models}
             self._pool: dict[tuple[str, int], Caches] = {}
             if persistent:
@@ -67,21 +76,62 @@ class KVSlots:
             return
         commit_kv(*(self.scratch[role] if scratch else self.caches[role]), new_k, new_v, slots)
 
-    def resize(self, rows: int, used: int) -> None:
-        """Switch to the smallest batch bucket holding `rows` rows, keeping the first min(rows, B) rows'
-        `used` slots."""
-        B = self.plan.batch_bucket(max(rows, 1))
-        if B == self.B:
+    def _cap(self, context: int) -> int:
+        """Slots per row for `context` committed tokens: their context bucket (what graphs read) plus the spare
+        slots a step commits past it."""
+        plan = self.plan
+        if not self.any_length:
+            return plan.slots
+        return min(plan.slots, plan.context_bucket(min(max(context, 1), plan.max_context)) + plan.spare_slots)
+
+    def resize(self, rows: int, used: int, context: int = 1) -> None:
+        """Hold `rows` rows (the smallest batch bucket holding them) with room for `context` committed tokens,
+        keeping the first min(rows, B) rows' `used` slots. Memory is reallocated only when the bucket or the
+        slot count changes (the slot count shrinks once the work fits in half of it)."""
+        B, cap = self.plan.batch_bucket(max(rows, 1)), self._cap(context)
+        cap = max(cap, self._cap(used))
+        if B == self.B and self.cap >= cap and not (self.any_length and self.cap >= 2 * cap):
             return
-        keep = min(rows, B, self.B)
+        keep, used = min(rows, B, self.B), min(used, cap, self.cap)
         for role, m in self.models.items():
             old = self.caches[role]
-            new = self._pool[role, B] if self.persistent else m.empty_cache(B, self.plan.slots, self.device)
+            self.caches[role] = None  # the old set is freed as the new one fills, never two full sets beside it
+            new = self._pool[role, B] if self.persistent else m.empty_cache(B, cap, self.device)
             if old is not None and keep and used:
                 for n, o in zip(new, old):
                     n[:, :keep, :, :used] = o[:, :keep, :, :used]
             self.caches[role] = new
-        self.B = B
+            del old
+        self.B, self.cap = B, cap
+
+    def release(self) -> None:
+        """No sequence runs: free the row caches and shrink the scratch (where memory follows the work)."""
+        if self.any_length:
+            self.caches = {r: None for r in self.models}
+            self.B = self.cap = 0
+            self.fit_scratch(0)
+
+    def fit_scratch(self, start: int) -> None:
+        """Size the prefill scratch for a chunk after `start` prompt tokens, keeping those."""
+        cap, used = self._cap(start), start
+        if not self.any_length or self.scratch_cap == cap:
+            return
+        for role, m in self.models.items():
+            old = self.scratch[role]
+            new = m.empty_cache(1, cap, self.device)
+            keep = min(used, cap, self.scratch_cap)
+            if keep:
+                for n, o in zip(new, old):
+                    n[..., :keep, :] = o[..., :keep, :]
+            self.scratch[role] = new
+        self.scratch_cap = cap
+
+    def nbytes(self) -> tuple[int, int]:
+        """(bytes the caches and the scratch hold, bytes per slot of one row over every role)."""
+        held = sum(t.numel() * t.element_size() for caches in (*self.caches.values(), *self.scratch.values())
+                   if caches is not None for t in caches)
+        per_slot = sum(2 * k.numel() // k.shape[3] * k.element_size() for k, _ in self.scratch.values())
+        return held, per_slot
 
     def insert(self, row: int, length: int) -> None:
         """Copy a prefilled prompt's `length` slots from the scratch caches into `row`."""

@@ -83,6 +83,11 @@ class ServerMetrics:
                                           "Number of requests holding a sequence slot.", labels, registry=reg)
         self.num_requests_waiting = Gauge(PREFIX + "num_requests_waiting",
                                           "Number of requests queued for a sequence slot.", labels, registry=reg)
+        self.kv_cache_usage_perc = Gauge(PREFIX + "kv_cache_usage_perc",
+                                         "Fraction of the KV cache memory held that running sequences' tokens use "
+                                         "(1 = full).", labels, registry=reg)
+        self.kv_cache_bytes = Gauge(PREFIX + "kv_cache_bytes", "Bytes the KV caches hold (every role, the prefill "
+                                    "scratch included).", labels, registry=reg)
 
         # Token and request counters.
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.").labels(model_name)
@@ -140,6 +145,11 @@ class ServerMetrics:
         """Read the running/waiting gauges from these callables whenever /metrics is scraped."""
         self.num_requests_running.labels(self.model_name).set_function(num_running)
         self.num_requests_waiting.labels(self.model_name).set_function(num_waiting)
+
+    def watch_kv(self, usage: Callable[[], tuple[int, int]]) -> None:
+        """Read the KV gauges from `usage()` = (bytes used, bytes held) whenever /metrics is scraped."""
+        self.kv_cache_bytes.labels(self.model_name).set_function(lambda: usage()[1])
+        self.kv_cache_usage_perc.labels(self.model_name).set_function(lambda: (lambda u, h: u / h if h else 0.0)(*usage()))
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

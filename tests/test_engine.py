@@ -322,3 +322,32 @@ def test_a_raising_sequence_fails_alone(tiny64, alone, name):
         else:
             assert r.finish_reason == "length" and r.token_ids == alone[i]
     assert not engine.rows and engine.sched.prefilling is None
+
+
+def test_kv_memory_follows_the_context_in_use(tiny64):
+    """Eager graphs take caches of any length: each row holds the context bucket of the longest running
+    sequence plus the spare slots, so short requests never hold the plan's maximum context, a long one
+    grows the caches, and they shrink back once it leaves."""
+    engine = engine_from_models(tiny64[0], max_context=512, prefill_chunk=16, batch_buckets=(1, 2, 4))
+    plan, (_, per_slot) = engine.plan, engine.kv.nbytes()
+    assert plan.ctx_buckets[0] == 64 and plan.slots == 512 + plan.spare_slots
+
+    def held_while(prompts, budgets):
+        peak = 0
+        for p, m in zip(prompts, budgets):
+            engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+            used, held = engine.kv_usage()
+            assert used <= held
+            peak = max(peak, held)
+        return peak, engine.kv_usage()[1]
+
+    short = (64 + plan.spare_slots) * per_slot
+    peak, _ = held_while(PROMPTS[:4], [20, 20, 20, 20])  # contexts under 64 tokens, up to 4 rows
+    assert peak <= 5 * short  # four rows and the prefill scratch, at 64 slots (plus spare) each
+    peak, after = held_while([list(range(3, 40))], [300])  # grows past three context buckets
+    assert peak >= (512 + plan.spare_slots) * per_slot  # the row and the scratch it was prefilled in
+    assert after <= short  # idle: only the (shrunk) prefill scratch
+    peak, after = held_while([[5, 6, 7]], [10])
+    assert peak <= 2 * short and after <= short  # one short row and the scratch, then the scratch

@@ -186,7 +186,9 @@ def test_models_health_and_metric_names(url: str) -> None:
         assert f"specair:{counter}_total" in names, counter
     for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         assert f"specair:{hist}_count" in names, hist
-    assert {"specair:num_requests_running", "specair:num_requests_waiting"} <= names
+    assert {"specair:num_requests_running", "specair:num_requests_waiting", "specair:kv_cache_bytes",
+            "specair:kv_cache_usage_perc"} <= names
+    assert metric(m, "specair:kv_cache_bytes") > 0 and 0 <= metric(m, "specair:kv_cache_usage_perc") <= 1
     positions = {dict(lab)["position"] for name, lab in m if name == "specair:spec_decode_num_accepted_tokens_per_pos_total"}
     assert positions == {"0", "1", "2"}
     buckets = {dict(lab)["bucket"] for name, lab in m if name == "specair:batch_bucket_steps_total"}

@@ -36,6 +36,9 @@ class Backend(ABC):
     # runs on this backend; if not, why not.
     tensor_parallel: ClassVar[bool] = True
     tensor_parallel_why: ClassVar[str] = ""
+    # Whether graphs take KV caches of any slot count (at least their context bucket plus the spare slots),
+    # so the runtime sizes caches by the context in use; else every cache has the plan's full slot count.
+    any_cache_length: ClassVar[bool] = False
 
     def __init__(self, threads: int | None = None) -> None:
         self.threads = threads

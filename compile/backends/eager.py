@@ -10,6 +10,7 @@ from specair.compile.graph_def import GraphDef
 
 class EagerBackend(Backend):
     name = "eager"
+    any_cache_length = True  # the graph functions slice the cache to their context bucket themselves
 
     def compile(self, graph: GraphDef, art_dir: Path) -> CompiledGraph:
         return graph.eager
