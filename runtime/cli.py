@@ -242,12 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compile)
 
     from specair.benchmarks.run import add_bench_parser
+    from specair.benchmarks.soak import add_soak_parser
     from specair.runtime.server import add_serve_parser
 
     from specair.training.cli import add_train_parser
 
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_soak_parser(sub)
     add_train_parser(sub)
 
     o = sub.add_parser("check-onnx", help="report anything in ONNX files that Ascend ATC would not accept")

@@ -1,0 +1,327 @@
+"""`specair soak`: a real `specair serve` under N concurrent clients for M minutes.
+
+    specair soak [--clients 16] [--minutes 10] [--speculative-config JSON] [--max-context 8192]
+                 [--batch-buckets 1,2,4,8] [--backend eager] [--no-fuzz] [--out DIR]
+
+Before the load, every prompt of a fixed pool runs alone, greedy and seeded (temperature 0.8, top-p 0.95),
+through the same server: those are the references. Then each client loops, choosing at random:
+- a greedy streamed chat, compared token for token with its solo run;
+- a seeded sampled chat (streamed or not), compared likewise;
+- an abort: a stream it drops after its first chunks;
+- a malformed body (a hand-written list), which must get a 4xx in OpenAI's shape.
+Beside them, schemathesis fuzzes the server's own OpenAPI schema (`/openapi.json`) for the whole run, checking
+that no response is a 5xx. A sampler records the server's resident memory every 2 s.
+
+The report (`results.json`, `results.md`, `memory.png`): requests by kind, failures, mismatches against the
+solo runs, 5xx, hung clients (a request open longer than --hang-s), p50/p99 latency, schemathesis' verdict, and
+the memory series (idle, peak, after the first minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from specair.benchmarks.run import DEFAULT_PROMPTS, load_prompt_set
+
+# Bodies a client must be refused with a 4xx (raw bytes are sent as they are).
+MALFORMED: list[tuple[str, Any]] = [
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ["hi"]}]}),
+    ("/v1/chat/completions", {"messages": "hi"}),
+    ("/v1/chat/completions", b""),
+    ("/v1/chat/completions", b"{\"messages\": ["),
+    ("/v1/completions", b"[1, 2]"),
+    ("/v1/completions", {}),
+    ("/v1/completions", {"prompt": ""}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}),
+    ("/v1/completions", {"prompt": "hi", "n": 3}),
+    ("/v1/completions", {"prompt": [1, 2, 10 ** 9]}),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 3}}),
+    ("/v1/completions", {"prompt": "hi", "model": "not-this-one"}),
+]
+SEEDED = {"temperature": 0.8, "top_p": 0.95}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_mb(pid: int) -> float:
+    """Resident memory of a process and its children (tensor-parallel workers), in MB."""
+    total, pids = 0.0, [pid]
+    while pids:
+        p = pids.pop()
+        try:
+            for line in open(f"/proc/{p}/status"):
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+            for t in os.listdir(f"/proc/{p}/task"):
+                pids += [int(c) for c in open(f"/proc/{p}/task/{t}/children").read().split()]
+        except OSError:
+            continue
+    return total
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace, url: str) -> None:
+        self.args, self.url = args, url
+        self.lock = threading.Lock()
+        self.counts: Counter[str] = Counter()
+        self.latency: list[float] = []
+        self.problems: list[str] = []
+        self.open: dict[int, float] = {}  # client -> start of its request in flight
+        self.hung: set[int] = set()
+        self.solo: dict[tuple[str, int], list[int] | str] = {}
+        self.pool = [r["messages"] for r in load_prompt_set(args.prompts)][:args.num_prompts]
+
+    # ---- one request of each kind -------------------------------------------------------------------------
+
+    def body(self, i: int, seeded: bool, stream: bool) -> dict[str, Any]:
+        extra = {**SEEDED, "seed": 1000 + i} if seeded else {"temperature": 0}
+        return {"messages": self.pool[i], "max_tokens": self.args.max_tokens, "stream": stream, **extra}
+
+    def chat(self, client: httpx.Client, body: dict[str, Any]) -> tuple[int, str]:
+        """(status, text) of a chat request, streamed or not (a 5xx mid-stream counts as its status)."""
+        if not body["stream"]:
+            r = client.post("/v1/chat/completions", json=body)
+            return r.status_code, r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+        text = ""
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                return r.status_code, r.text
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        return 500, json.dumps(chunk["error"])
+                    text += chunk["choices"][0]["delta"].get("content") or ""
+        return 200, text
+
+    def references(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=self.args.hang_s) as c:
+            for i in range(len(self.pool)):
+                for seeded in (False, True):
+                    status, text = self.chat(c, self.body(i, seeded, stream=False))
+                    if status != 200:
+                        raise SystemExit(f"solo run of prompt {i} failed: {status} {text[:200]}")
+                    self.solo["seeded" if seeded else "greedy", i] = text
+
+    def one(self, client: httpx.Client, rng: random.Random) -> None:
+        kind = rng.choices(["greedy", "seeded", "abort", "malformed"], weights=[4, 4, 1, 1])[0]
+        i = rng.randrange(len(self.pool))
+        t0 = time.perf_counter()
+        if kind == "malformed":
+            path, body = rng.choice(MALFORMED)
+            r = (client.post(path, content=body, headers={"content-type": "application/json"})
+                 if isinstance(body, bytes) else client.post(path, json=body))
+            ok = 400 <= r.status_code < 500 and set(r.json()) == {"error"}
+            self.note(kind, r.status_code, ok, f"{path} {body!r:.80} answered {r.status_code}")
+        elif kind == "abort":
+            with client.stream("POST", "/v1/chat/completions", json=self.body(i, rng.random() < 0.5, True)) as r:
+                for n, _ in enumerate(r.iter_lines()):
+                    if n >= 3:
+                        break
+            self.note(kind, r.status_code, r.status_code == 200, f"abort answered {r.status_code}")
+        else:
+            status, text = self.chat(client, self.body(i, kind == "seeded", stream=rng.random() < 0.7))
+            same = status == 200 and text == self.solo[kind, i]
+            self.note(kind, status, status == 200, f"{kind} prompt {i}: {status} {text[:120]!r}")
+            if status == 200 and not same:
+                self.note(f"{kind}_mismatch", 0, False, f"{kind} prompt {i} differs from its solo run")
+        with self.lock:
+            self.latency.append(time.perf_counter() - t0)
+
+    def note(self, kind: str, status: int, ok: bool, what: str) -> None:
+        with self.lock:
+            self.counts[kind] += 1
+            if status >= 500:
+                self.counts["5xx"] += 1
+            if not ok:
+                self.counts[f"{kind}_failed"] += 1
+                if len(self.problems) < 50:
+                    self.problems.append(what)
+
+    def client(self, n: int, until: float) -> None:
+        rng = random.Random(n)
+        with httpx.Client(base_url=self.url, timeout=self.args.hang_s) as c:
+            while time.monotonic() < until:
+                self.open[n] = time.monotonic()
+                try:
+                    self.one(c, rng)
+                except httpx.TimeoutException:
+                    self.hung.add(n)
+                    self.note("timeout", 0, False, f"client {n}: no answer within {self.args.hang_s} s")
+                except httpx.TransportError as e:
+                    self.note("transport", 0, False, f"client {n}: {e!r}")
+                self.open.pop(n, None)
+
+
+def _fuzz(url: str, out: Path, seconds: float) -> subprocess.Popen | None:
+    here = Path(sys.executable).parent / "st"  # the virtualenv's, when its bin is not on PATH
+    st = str(here) if here.exists() else shutil.which("st")
+    if st is None:
+        return None
+    log = open(out / "schemathesis.log", "w")
+    return subprocess.Popen([st, "run", f"{url}/openapi.json", "--checks", "not_a_server_error",
+                             "--max-time", str(int(seconds)), "--workers", "1", "--max-examples", "100000"],
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def run_soak(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "specair.runtime.server", "--port", str(port), "--max-context",
+           str(args.max_context), "--batch-buckets", args.batch_buckets, "--backend", args.backend,
+           "--log-level", "warning"]
+    for flag, value in (("--model", args.model), ("--speculative-config", args.speculative_config),
+                        ("--threads", args.threads)):
+        if value:
+            cmd += [flag, str(value)]
+    server = subprocess.Popen(cmd, stdout=open(out / "server.log", "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    memory: list[tuple[float, float]] = []
+    try:
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"the server exited ({server.returncode}); see {out / 'server.log'}")
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        soak = Soak(args, url)
+        print(f"soak: solo runs of {len(soak.pool)} prompts (greedy and seeded)", file=sys.stderr, flush=True)
+        soak.references()
+        idle = _rss_mb(server.pid)
+        t0 = time.monotonic()
+        until = t0 + args.minutes * 60
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(2):
+                memory.append((time.monotonic() - t0, _rss_mb(server.pid)))
+                now = time.monotonic()
+                for n, since in list(soak.open.items()):
+                    if now - since > args.hang_s:
+                        soak.hung.add(n)
+
+        threading.Thread(target=sample, daemon=True).start()
+        fuzz = _fuzz(url, out, args.minutes * 60) if args.fuzz else None
+        clients = [threading.Thread(target=soak.client, args=(n, until)) for n in range(args.clients)]
+        print(f"soak: {args.clients} clients for {args.minutes} min", file=sys.stderr, flush=True)
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join()
+        fuzz_rc = None
+        if fuzz is not None:
+            try:
+                fuzz_rc = fuzz.wait(120)
+            except subprocess.TimeoutExpired:
+                fuzz.kill()
+        stop.set()
+        alive = server.poll() is None and httpx.get(f"{url}/health").status_code == 200
+    finally:
+        server.terminate()
+        server.wait(30)
+    lat = sorted(soak.latency)
+    after_first = [m for t, m in memory if t >= 60] or [m for _, m in memory]
+    report = {
+        "command": " ".join(sys.argv), "clients": args.clients, "minutes": args.minutes,
+        "speculative_config": args.speculative_config, "max_context": args.max_context,
+        "batch_buckets": args.batch_buckets, "backend": args.backend,
+        "requests": dict(soak.counts), "hung_clients": len(soak.hung), "server_alive": alive,
+        "latency_s": {"p50": lat[len(lat) // 2] if lat else None,
+                      "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None},
+        "schemathesis": None if not args.fuzz else ("not installed" if fuzz is None else
+                                                    {"exit_code": fuzz_rc, "log": str(out / "schemathesis.log")}),
+        "memory_mb": {"idle": idle, "peak": max((m for _, m in memory), default=idle),
+                      "after_first_minute": [min(after_first, default=idle), max(after_first, default=idle)],
+                      "series": memory},
+        "problems": soak.problems,
+    }
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    _plot(memory, idle, out / "memory.png")
+    return report
+
+
+def _plot(memory: list[tuple[float, float]], idle: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.plot([t / 60 for t, _ in memory], [m for _, m in memory], label="server RSS")
+    ax.axhline(idle, color="grey", ls="--", label="idle")
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("MB")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def summary(report: dict[str, Any]) -> str:
+    req, mem = report["requests"], report["memory_mb"]
+    kinds = ("greedy", "seeded", "abort", "malformed")
+    lines = [f"| {k} | {req.get(k, 0)} | {req.get(f'{k}_failed', 0)} | {req.get(f'{k}_mismatch', 0)} |" for k in kinds]
+    return "\n".join([
+        "| kind | requests | failed | mismatches against solo |", "|---|---|---|---|", *lines, "",
+        f"5xx: {req.get('5xx', 0)}; hung clients: {report['hung_clients']}; server alive: {report['server_alive']}; "
+        f"latency p50 {report['latency_s']['p50']:.2f} s, p99 {report['latency_s']['p99']:.2f} s",
+        f"memory: idle {mem['idle']:.0f} MB, peak {mem['peak']:.0f} MB "
+        f"(+{mem['peak'] - mem['idle']:.0f} MB), after the first minute {mem['after_first_minute'][0]:.0f}–"
+        f"{mem['after_first_minute'][1]:.0f} MB",
+        f"schemathesis: {report['schemathesis']}"])
+
+
+def add_soak_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("soak", help="concurrent clients and fuzzed bodies against a real server",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--minutes", type=float, default=10)
+    p.add_argument("--model")
+    p.add_argument("--speculative-config", metavar="JSON")
+    p.add_argument("--backend", default="eager")
+    p.add_argument("--max-context", type=int, default=8192)
+    p.add_argument("--batch-buckets", default="1,2,4,8")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), metavar="FILE.jsonl")
+    p.add_argument("--num-prompts", type=int, default=12)
+    p.add_argument("--hang-s", type=float, default=300, help="a request open longer than this is a hung client")
+    p.add_argument("--no-fuzz", dest="fuzz", action="store_false", help="skip schemathesis")
+    p.add_argument("--out", default="bench-out/soak", metavar="DIR")
+    p.set_defaults(func=cmd_soak)
+
+
+def cmd_soak(args: argparse.Namespace) -> None:
+    report = run_soak(args)
+    text = summary(report)
+    (Path(args.out) / "results.md").write_text(f"# specair soak\n\n`{report['command']}`\n\n{text}\n")
+    print(text)
