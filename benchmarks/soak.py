@@ -179,14 +179,17 @@ class Soak:
                 self.open.pop(n, None)
 
 
-def _fuzz(url: str, out: Path, seconds: float) -> subprocess.Popen | None:
+def _fuzz(url: str, out: Path, seconds: float, timeout: float) -> subprocess.Popen | None:
+    """schemathesis on the server's own schema for `seconds`; a slow answer under load is not a failure, a
+    5xx is."""
     here = Path(sys.executable).parent / "st"  # the virtualenv's, when its bin is not on PATH
     st = str(here) if here.exists() else shutil.which("st")
     if st is None:
         return None
     log = open(out / "schemathesis.log", "w")
     return subprocess.Popen([st, "run", f"{url}/openapi.json", "--checks", "not_a_server_error",
-                             "--max-time", str(int(seconds)), "--workers", "1", "--max-examples", "100000"],
+                             "--max-time", str(int(seconds)), "--workers", "1", "--max-examples", "100000",
+                             "--request-timeout", str(int(timeout))],
                             stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -230,7 +233,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                         soak.hung.add(n)
 
         threading.Thread(target=sample, daemon=True).start()
-        fuzz = _fuzz(url, out, args.minutes * 60) if args.fuzz else None
+        fuzz = _fuzz(url, out, args.minutes * 60, args.hang_s) if args.fuzz else None
         clients = [threading.Thread(target=soak.client, args=(n, until)) for n in range(args.clients)]
         print(f"soak: {args.clients} clients for {args.minutes} min", file=sys.stderr, flush=True)
         for c in clients:

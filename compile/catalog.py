@@ -62,6 +62,9 @@ class Catalog:
         self.target, self.plan, self.proposer = target, plan, proposer
         self._defs: dict[GraphKey, GraphDef] = {}
         self._caches: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        # Example caches only fix shapes for a trace; a backend that traces nothing (eager) gets them on the
+        # meta device, which holds no memory (at a long context they are gigabytes per batch bucket).
+        self.meta_example_caches = False
 
     # ---- keys ---------------------------------------------------------------------------------------
 
@@ -127,7 +130,8 @@ class Catalog:
         large bucket is gigabytes, and every context bucket's graph would otherwise hold its own."""
         key = (id(model), B)
         if key not in self._caches:
-            self._caches[key] = model.empty_cache(B, self.plan.slots, self.device)
+            self._caches[key] = model.empty_cache(B, self.plan.slots,
+                                                  "meta" if self.meta_example_caches else self.device)
         k, v = self._caches[key]
         return {"k_cache": k, "v_cache": v}
 
