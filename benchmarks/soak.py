@@ -32,9 +32,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from specair.benchmarks.run import DEFAULT_PROMPTS, load_prompt_set
 
@@ -60,6 +58,9 @@ MALFORMED: list[tuple[str, Any]] = [
     ("/v1/completions", {"prompt": "hi", "model": "not-this-one"}),
 ]
 SEEDED = {"temperature": 0.8, "top_p": 0.95}
+
+if TYPE_CHECKING:
+    import httpx
 
 
 def _free_port() -> int:
@@ -121,6 +122,8 @@ class Soak:
         return 200, text
 
     def references(self) -> None:
+        import httpx
+
         with httpx.Client(base_url=self.url, timeout=self.args.hang_s) as c:
             for i in range(len(self.pool)):
                 for seeded in (False, True):
@@ -165,6 +168,8 @@ class Soak:
                     self.problems.append(what)
 
     def client(self, n: int, until: float) -> None:
+        import httpx
+
         rng = random.Random(n)
         with httpx.Client(base_url=self.url, timeout=self.args.hang_s) as c:
             while time.monotonic() < until:
@@ -194,6 +199,8 @@ def _fuzz(url: str, out: Path, seconds: float, timeout: float) -> subprocess.Pop
 
 
 def run_soak(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx  # the dev extra's client; only the soak needs it
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
