@@ -80,7 +80,7 @@ class GraphSet:
     def __init__(self, catalog: Catalog, backend: Backend, art_dir: Path | None, lazy: bool,
                  note: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)) -> None:
         self.catalog, self.backend, self.art_dir, self.lazy, self.note = catalog, backend, art_dir, lazy, note
-        catalog.meta_example_caches = backend.name == "eager"
+        catalog.meta_example_caches = backend.any_cache_length  # its graphs fix no cache shape to trace
         self.fns: dict[GraphKey, CompiledGraph] = {}
         self._pending: set[GraphKey] = set()  # artifacts checked but not loaded yet (see `prepare`)
         self.timings: dict[str, list[float]] | None = None  # kind -> [seconds, calls] while profiling

@@ -62,8 +62,8 @@ class Catalog:
         self.target, self.plan, self.proposer = target, plan, proposer
         self._defs: dict[GraphKey, GraphDef] = {}
         self._caches: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
-        # Example caches only fix shapes for a trace; a backend that traces nothing (eager) gets them on the
-        # meta device, which holds no memory (at a long context they are gigabytes per batch bucket).
+        # Example caches only fix shapes for a trace; where graphs take caches of any length (eager) they live on
+        # the meta device, which holds no memory (at a long context they are gigabytes per batch bucket).
         self.meta_example_caches = False
 
     # ---- keys ---------------------------------------------------------------------------------------

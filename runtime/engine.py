@@ -14,6 +14,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
+from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,7 +32,7 @@ from specair.runtime.output import Output, eos_ids
 from specair.runtime.params import SamplingParams, StreamEvent
 from specair.runtime.proposers import Proposer, Step
 from specair.runtime.scheduler import QueueFullError, Scheduler, Seq  # noqa: F401 (QueueFullError: public)
-from specair.runtime.tensor_parallel import Group, held
+from specair.runtime.tensor_parallel import Group
 
 
 logger = logging.getLogger("specair.engine")
@@ -149,7 +150,7 @@ class Engine:
         """One iteration: this step's decisions (`StepMeta`), then a decode or speculative step over the
         running rows and one prefill chunk. Under tensor parallelism the decisions reach every worker
         before any graph runs, and a failing rank fails the step with a TensorParallelError."""
-        with held(self.group):
+        with self.group.lock if self.group is not None else nullcontext():
             aborts = self.sched.collect()
             events = [ev for rid in aborts for ev in self._abort(rid)]
             meta = self._schedule(tuple(aborts))

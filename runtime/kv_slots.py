@@ -94,14 +94,8 @@ class KVSlots:
             return
         keep, used = min(rows, B, self.B), min(used, cap, self.cap)
         for role, m in self.models.items():
-            old = self.caches[role]
-            self.caches[role] = None  # the old set is freed as the new one fills, never two full sets beside it
             new = self._pool[role, B] if self.persistent else m.empty_cache(B, cap, self.device)
-            if old is not None and keep and used:
-                for n, o in zip(new, old):
-                    n[:, :keep, :, :used] = o[:, :keep, :, :used]
-            self.caches[role] = new
-            del old
+            self.caches[role] = _copy_used(self.caches[role], new, keep, used)
         self.B, self.cap = B, cap
 
     def release(self) -> None:
@@ -117,13 +111,8 @@ class KVSlots:
         if not self.any_length or self.scratch_cap == cap:
             return
         for role, m in self.models.items():
-            old = self.scratch[role]
-            new = m.empty_cache(1, cap, self.device)
-            keep = min(used, cap, self.scratch_cap)
-            if keep:
-                for n, o in zip(new, old):
-                    n[..., :keep, :] = o[..., :keep, :]
-            self.scratch[role] = new
+            self.scratch[role] = _copy_used(self.scratch[role], m.empty_cache(1, cap, self.device), 1,
+                                            min(used, cap, self.scratch_cap))
         self.scratch_cap = cap
 
     def nbytes(self) -> tuple[int, int]:
@@ -144,3 +133,11 @@ class KVSlots:
         for role in self.models:
             for c in self.caches[role]:
                 c[:, dst, :, :used] = c[:, src, :, :used]
+
+
+def _copy_used(old: Caches | None, new: Caches, rows: int, used: int) -> Caches:
+    """`new` holding the first `rows` rows' first `used` slots of `old` (the only copy a resize makes)."""
+    if old is not None and rows and used:
+        for n, o in zip(new, old):
+            n[:, :rows, :, :used] = o[:, :rows, :, :used]
+    return new

@@ -27,7 +27,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -338,6 +338,7 @@ def worker_main(rank: int) -> int:
                 store.set(f"alive/{rank}", str(time.time()))
             time.sleep(1)
 
+    engine = None
     try:
         store.set(f"joined/{rank}", "1")
         tp = _init(rank, world, store, config["device"])
@@ -358,7 +359,7 @@ def worker_main(rank: int) -> int:
             store.set(f"error/{rank}", f"{type(e).__name__}: {e}"[:1000])
         raise
     finally:
-        if config["trace"] and "engine" in locals() and engine.trace is not None:
+        if config["trace"] and engine is not None and engine.trace is not None:
             write_trace(engine.trace, config["trace"], rank)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
@@ -371,16 +372,6 @@ def write_trace(trace: list, directory: str, rank: int) -> None:
     with open(Path(directory) / f"rank{rank}.jsonl", "w") as f:
         for item in trace:
             f.write(json.dumps(item) + "\n")
-
-
-@contextlib.contextmanager
-def held(group: Group | None) -> Iterator[None]:
-    """The group's step lock (nothing without a group)."""
-    if group is None:
-        yield
-    else:
-        with group.lock:
-            yield
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-import torch
 from helpers import save_tiny
 from test_engine import random_heads
 
