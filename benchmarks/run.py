@@ -2,7 +2,7 @@
 weights, measured in one process, interleaved prompt by prompt after a warm-up.
 
     specair bench [--prompts FILE.jsonl] [--configs FILE.json | --spec JSON ...] [--backends eager,...]
-                  [--acceptance rejection,greedy] [--max-tokens 128] [--batch-sizes 1,2,4] [--peers auto]
+                  [--acceptance exact,greedy] [--max-tokens 128] [--batch-sizes 1,2,4] [--peers auto]
                   [--out DIR]
 
 Writes results.json (every raw sample and the environment), results.md (the table) and PNG plots into
@@ -787,7 +787,7 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--backends", type=_csv(str), default=("eager",),
                    help="backends for configurations that name none (default eager)")
     p.add_argument("--acceptance", type=_csv(str), default=(),
-                   help="acceptance methods to cross with every speculative config without one, e.g. rejection,typical")
+                   help="acceptance methods to cross with every speculative config without one, e.g. exact,typical")
     p.add_argument("--dtype", default="fp32", help="dtype for configurations that name none")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="ranks for configurations that name none (sharing --threads)")

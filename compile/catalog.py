@@ -17,7 +17,6 @@ from torch import Tensor, nn
 
 from specair.compile.graph_def import GraphDef, GraphKey, GraphModule
 from specair.compile.plan import Plan
-from specair.compile.spec_config import TreeShape
 from specair.graphs.steps import decode_step, prefill_chunk
 from specair.graphs.verify import leaf_paths, verify_and_accept
 from specair.models.llama import Transformer
@@ -46,8 +45,6 @@ class GraphSpec(NamedTuple):
 class ProposerGraphs(Protocol):
     """What the catalogue needs of a proposer (runtime/proposers implements it)."""
 
-    def proposal_probs(self, tree: TreeShape) -> bool: ...  # proposals of that shape carry the draft distribution
-
     def graph_keys(self, plan: Plan) -> list[GraphKey]: ...
 
     def build_graph(self, key: GraphKey, catalog: "Catalog") -> GraphSpec: ...
@@ -69,9 +66,9 @@ class Catalog:
     # ---- keys ---------------------------------------------------------------------------------------
 
     def acceptance(self, greedy: bool) -> str:
-        """The acceptance method of the verify graph a step uses (rejection reduces to greedy matching)."""
+        """The acceptance method of the verify graph a step uses (exact reduces to greedy matching)."""
         method = self.plan.speculative.acceptance
-        return "greedy" if method == "greedy" or (method == "rejection" and greedy) else method
+        return "greedy" if method == "greedy" or (method == "exact" and greedy) else method
 
     @staticmethod
     def sampled(variant: str) -> str:
@@ -166,7 +163,7 @@ class Catalog:
 
     def _verify(self, key: GraphKey) -> GraphSpec:
         spec, tree = self.plan.speculative, self.plan.trees[key.shape]
-        B, T, D, V = key.batch, tree.num_nodes, tree.depth, self.target.config.vocab_size
+        B, T, D = key.batch, tree.num_nodes, tree.depth
         inputs = {"tree_tokens": self.zeros(B, T), "root_pos": self.zeros(B), **self.caches(self.target, B)}
         static: dict[str, Any] = {"ctx": key.ctx, "acceptance": key.method, "max_depth": D,
                                   "max_width": tree.max_width, "filtered": key.variant == "filtered"}
@@ -180,10 +177,8 @@ class Catalog:
             static["chain"] = bool((buf.parents == torch.arange(T) - 1).all())
             if spec.scorer == "batch_expansion":
                 static["expansion"] = self.on_device(leaf_paths(buf.paths, buf.children))
-        if key.method == "rejection":
-            if self.proposer.proposal_probs(tree):
-                inputs["draft_probs"] = self.zeros(B, T, V, dtype=self.target.dtype)
-            inputs["uniforms"] = self.uniforms(B, T + 1)
+        if key.method == "exact":
+            inputs["uniforms"] = self.uniforms(B, D + 1)
         if key.method != "greedy":
             inputs.update(self.sampling(B))
         if key.method == "typical":

@@ -31,7 +31,7 @@ class GraphKey:
 
     @property
     def name(self) -> str:
-        """Unique and filesystem-safe, e.g. `verify.b1.c128.rejection.filtered`, `prefill.b1.c2048.t32`,
+        """Unique and filesystem-safe, e.g. `verify.b1.c128.exact.filtered`, `prefill.b1.c2048.t32`,
         `verify.b1.c128.s1.greedy`."""
         parts = ([self.kind, f"b{self.batch}"] + ([f"c{self.ctx}"] if self.ctx else [])
                  + ([f"t{self.chunk}"] if self.chunk else []) + ([f"s{self.shape}"] if self.shape else []))

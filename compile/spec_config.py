@@ -13,7 +13,7 @@ from typing import Any
 from specair.graphs.tree import TreeTemplate, get_template
 from specair.models.errors import InputError
 
-ACCEPTANCE = ("rejection", "greedy", "typical")
+ACCEPTANCE = ("exact", "greedy", "typical")
 SCORERS = ("tree", "batch_expansion")
 
 
@@ -38,7 +38,7 @@ class SpeculativeConfig:
     model: str | None = None  # the draft checkpoint, or a head's
     num_layers: int | None = None  # target layers a layer-skip draft keeps
     tree: Any = None  # None/"chain", "kary:DxW", "mc_sim_7b_63", "topk:KxN", or a Medusa choice list
-    acceptance: str = "rejection"  # exact; reduces to greedy matching at temperature 0
+    acceptance: str = "exact"  # the target's own sample decides every position; greedy matching at temperature 0
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
     scorer: str = "tree"
@@ -64,7 +64,10 @@ class SpeculativeConfig:
         k = spec.get("num_speculative_tokens")
         if not isinstance(k, int) or not 1 <= k <= 16:
             raise InputError(f"'num_speculative_tokens' must be an integer in 1..16, got {k!r}")
-        if spec.get("acceptance", "rejection") not in ACCEPTANCE:
+        if spec.get("acceptance") == "rejection":
+            raise InputError("acceptance 'rejection' is now 'exact': the target samples every position from "
+                             "that position's seeded uniform and a draft token is accepted when it matches")
+        if spec.get("acceptance", "exact") not in ACCEPTANCE:
             raise InputError(f"'acceptance' must be one of {ACCEPTANCE}, got {spec.get('acceptance')!r}")
         if spec.get("scorer", "tree") not in SCORERS:
             raise InputError(f"'scorer' must be one of {SCORERS}, got {spec.get('scorer')!r}")

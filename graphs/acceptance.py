@@ -4,6 +4,12 @@ Shared inputs: tree_tokens [B, T] (node 0 = root = last accepted token), target_
 (the target's logits AT each node, i.e. the distribution of its children), and the tree's index
 buffers per row: children [B, T, W] / paths [B, T, D+1] (static templates expand theirs to B).
 Sampling parameters are per-row tensors [B]; randomness comes in as uniforms. Rows are independent.
+
+Every method walks the same way: the target decides a token at each node (its argmax, or its sample), and
+the longest root path whose every token is what the target decided at its parent is accepted, followed
+by the target's token at the last accepted node. With `accept_exact` the target's token at depth d is
+drawn from the uniform of position root + d + 1, so the result is the token plain decoding would have
+sampled at every position: speculation changes how many passes that takes, never what comes out.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .sampling import request_probs, sample_from_probs
+from .sampling import request_probs, sample
 
 
 class AcceptResult(NamedTuple):
@@ -32,8 +38,9 @@ def _result(tree_tokens: Tensor, path: Tensor, num_accepted: Tensor, last_token:
     return AcceptResult(num_accepted, tokens, path)
 
 
-def _longest_path(ok: Tensor, target_logits: Tensor, tree_tokens: Tensor, paths: Tensor) -> AcceptResult:
-    """Accept the longest root path whose nodes are all ok (ties: lowest node id); then the target argmax."""
+def _longest_path(ok: Tensor, decided: Tensor, tree_tokens: Tensor, paths: Tensor) -> AcceptResult:
+    """Accept the longest root path whose nodes are all ok (ties: lowest node id); then the token the
+    target decided at its last node (decided [B, T])."""
     B, T, Dp1 = paths.shape
     ids = torch.arange(T, device=paths.device)
     # The root is always accepted; column T stands for the -1 padding, also ok.
@@ -43,7 +50,7 @@ def _longest_path(ok: Tensor, target_logits: Tensor, tree_tokens: Tensor, paths:
     # A unique score per node, so the choice never depends on how argmax breaks ties.
     best = torch.where(path_ok, depth * T + (T - 1 - ids), -1).argmax(-1)
     path = paths.gather(1, best.view(B, 1, 1).expand(B, 1, Dp1)).squeeze(1)
-    bonus = target_logits.argmax(-1).gather(1, best[:, None]).squeeze(1)
+    bonus = decided.gather(1, best[:, None]).squeeze(1)
     return _result(tree_tokens, path, depth.gather(1, best[:, None]).squeeze(1), bonus)
 
 
@@ -59,8 +66,8 @@ def accept_greedy(tree_tokens: Tensor, target_logits: Tensor, paths: Tensor) -> 
     Ties between equally long paths (only possible with duplicate sibling tokens) go to the lowest node
     id. The bonus token is the target's argmax at the last accepted node.
     """
-    ok = tree_tokens == target_logits.argmax(-1).gather(1, _parent_ids(paths))
-    return _longest_path(ok, target_logits, tree_tokens, paths)
+    decided = target_logits.argmax(-1)
+    return _longest_path(tree_tokens == decided.gather(1, _parent_ids(paths)), decided, tree_tokens, paths)
 
 
 def accept_typical(
@@ -95,101 +102,24 @@ def accept_typical(
     # p at each node's parent, read at the node's own token.
     p_tok = p.reshape(B, T * V).gather(1, parent * V + tree_tokens.clamp(0, V - 1))
     ok = p_tok > threshold.gather(1, parent)
-    return _longest_path(ok, target_logits, tree_tokens, paths)
+    return _longest_path(ok, target_logits.argmax(-1), tree_tokens, paths)
 
 
-def accept_rejection(
-    tree_tokens: Tensor,
-    target_logits: Tensor,
-    draft_probs: Tensor | None,
-    children: Tensor,
-    uniforms: Tensor,
-    temperature: Tensor,
-    top_k: Tensor,
-    top_p: Tensor,
-    *,
-    max_depth: int | None = None,
-    return_probs: bool = False,
-    filtered: bool = True,
-) -> AcceptResult | tuple[AcceptResult, Tensor, Tensor]:
-    """Exact speculative sampling on trees: SpecInfer-style multi-step speculative sampling (MSS).
+def accept_exact(tree_tokens: Tensor, target_logits: Tensor, paths: Tensor, uniforms: Tensor, temperature: Tensor,
+                 top_k: Tensor, top_p: Tensor, variant: str = "filtered") -> AcceptResult:
+    """Exact sampling: the target samples every node's next token (inverse CDF of request_probs, argmax for
+    temperature-0 rows) from the uniform of that token's position, and a node is accepted iff its token is
+    the sample at its parent. The output is the target's own sample at every position, so it follows the
+    target's distribution whatever was proposed, and equals plain decoding's tokens for the same uniforms.
 
-    draft_probs [B, T, V]: q_i, the distribution node i's token was proposed from (for a sampled node,
-    the draft's distribution at its parent; for a deterministically chosen top-k candidate, one-hot of
-    its token; pass None when every node was chosen deterministically: the one-hot q is then implied by
-    the tokens, never materialised). The output follows the target distribution p (request_probs: temperature, top-k, top-p;
-    one-hot argmax at temperature 0, where this reduces to greedy) exactly, provided each sibling is
-    drawn from its q_i independently of earlier siblings (i.i.d. samples, or fixed candidates with
-    one-hot q). Testing siblings independently against the unmodified p would be biased.
-
-    Walk from the root with p_cur = p[root]. At each depth, try the current node's children in rank
-    order: child x accepted iff u < min(1, p_cur(x) / q(x)); on rejection p_cur <- normalize(max(0,
-    p_cur - q)) for the next sibling. The first accepted child becomes current (p_cur <- p[child]);
-    if none is accepted, stop. The last token is sampled from p_cur. A chain (W = 1) is classic
-    speculative sampling: residual on the first rejection, bonus when all k are accepted.
-
-    uniforms [B, T+1]: column i (i >= 1) is node i's accept test, column T the final sample.
-    filtered=False (static) skips top-k/top-p for requests that use neither.
-    max_depth: the tree's depth D (static), which sets the output width D + 1; default T - 1, exact
-    for a chain and an upper bound for any tree (pass template.max_depth for trees).
-    With return_probs, also returns accept_prob [B, T] (the min(1, p_cur/q) used at each visited node,
-    0 elsewhere) and final_probs [B, V] (the distribution the last token was sampled from).
+    uniforms [B, D+1]: column d decides the tokens at depth d + 1 (position root_pos + d + 1).
+    variant (static): as `sample`'s. For candidates chosen deterministically (top-k trees, n-gram) the
+    chance of accepting a node equals multi-draft rejection sampling's (SpecInfer); a draft that samples
+    its token from the same uniform is accepted with the overlap of the two inverse CDFs' intervals.
     """
     B, T, V = target_logits.shape
-    W = children.shape[-1]
-    D = T - 1 if max_depth is None else max_depth
-    p = request_probs(target_logits, temperature, top_k, top_p, filtered)
-    dt = p.dtype
-    q_all = None if draft_probs is None else draft_probs.to(dt)
-    u_all = uniforms.to(dt)
-    tok = tree_tokens.clamp(0, V - 1)
-    ids = torch.arange(T, device=p.device)
-    # Below this mass a residual is rounding noise (p_cur == q exactly): keep p_cur. The bias this can
-    # add is at most the threshold, since rejection happens with probability = the residual's mass.
-    tiny = 64 * torch.finfo(dt).eps
-
-    def row(x: Tensor, node: Tensor) -> Tensor:  # x [B, T, V] at node [B] -> [B, V]
-        return x.gather(1, node.view(B, 1, 1).expand(B, 1, V)).squeeze(1)
-
-    cur = torch.zeros(B, dtype=torch.long, device=p.device)
-    p_cur = p[:, 0]
-    alive = torch.ones(B, dtype=torch.bool, device=p.device)
-    accept_prob = torch.zeros(B, T, dtype=dt, device=p.device)
-    path = [cur]
-    for _ in range(D):
-        kids = children.gather(1, cur.view(B, 1, 1).expand(B, 1, W)).squeeze(1)  # [B, W]
-        moved = torch.zeros_like(alive)
-        nxt = cur
-        for j in range(W):
-            child = kids[:, j]
-            valid = alive & ~moved & (child >= 0)
-            c = child.clamp(min=0)
-            x = tok.gather(1, c[:, None])
-            px = p_cur.gather(1, x).squeeze(1)
-            if q_all is None:  # q = one-hot(x): accept with p(x); the residual is p_cur without x
-                a = px.clamp(max=1)
-                resid = p_cur.scatter(1, x, 0.0)
-            else:
-                q = row(q_all, c)
-                qx = q.gather(1, x).squeeze(1)
-                # q(x) == 0 means x could not have been proposed; accept it iff the target allows it.
-                a = torch.where(qx > 0, (px / qx.clamp(min=torch.finfo(dt).tiny)).clamp(max=1), (px > 0).to(dt))
-                resid = (p_cur - q).clamp(min=0)
-            acc = valid & (u_all.gather(1, c[:, None]).squeeze(1) < a)
-            accept_prob = torch.where((ids == c[:, None]) & valid[:, None], a[:, None], accept_prob)
-            mass = resid.sum(-1, keepdim=True)
-            rejected = (valid & ~acc)[:, None] & (mass > tiny)
-            p_cur = torch.where(rejected, resid / mass.clamp(min=tiny), p_cur)
-            p_cur = torch.where(acc[:, None], row(p, c), p_cur)
-            nxt = torch.where(acc, c, nxt)
-            moved = moved | acc
-        path.append(torch.where(moved, nxt, -1))
-        cur = nxt
-        alive = alive & moved
-    path_t = torch.stack(path, 1)
-    num_accepted = (path_t >= 0).sum(-1) - 1
-    last = sample_from_probs(p_cur, u_all[:, T])
-    result = _result(tree_tokens, path_t, num_accepted, last)
-    if return_probs:
-        return result, accept_prob, p_cur
-    return result
+    depth = (paths >= 0).sum(-1) - 1
+    u = uniforms.gather(1, depth)
+    flat = [x.repeat_interleave(T) for x in (temperature, top_k, top_p)]
+    decided = sample(target_logits.reshape(B * T, V), *flat, u.reshape(B * T), variant).view(B, T)
+    return _longest_path(tree_tokens == decided.gather(1, _parent_ids(paths)), decided, tree_tokens, paths)

@@ -7,10 +7,8 @@ steps attend to through a tree mask, and writes nothing: it returns the catch-up
 caller to commit, and drafted nodes' K/V are simply dropped (accepted ones come back in the next
 catch-up), so rejected branches never reach the cache.
 
-Every loop returns the tree tokens [B, T] (node 0 = root). A sampled chain also returns draft_probs
-[B, T, V]: for node i the distribution its token was proposed from (what exact rejection sampling
-divides by). Tree candidates are chosen deterministically, so their proposal is one-hot on the token
-itself and no distribution is returned: acceptance reads it off the tokens.
+Every loop returns the tree tokens [B, T] (node 0 = root). A chain samples each token with the
+uniform the target will sample that position with; tree candidates are the draft's top-k.
 
 An EAGLE head drafts through the same loops when given `catch_hidden` [B, W, H], the target hidden
 state paired with each catch-up token (entry p of the head's cache holds token x_{p+1} with target
@@ -78,28 +76,27 @@ class _Step:
 def draft_chain(draft: Draft, catch_tokens: Tensor, n_catch: Tensor, draft_len: Tensor, k_cache: Tensor,
                 v_cache: Tensor, k: int, temperature: Tensor, top_k: Tensor, top_p: Tensor, uniforms: Tensor,
                 ctx: int, filtered: bool = True, *,
-                catch_hidden: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                catch_hidden: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """k tokens sampled one after another from the draft (argmax where temperature is 0).
 
     catch_tokens [B, W] with n_catch [B] real ones (the last is the root), draft_len [B] tokens already
-    in the draft cache, uniforms [B, k]; catch_hidden [B, W, H] for an EAGLE head (see the module
-    docstring). Returns tree tokens [B, k+1], draft_probs [B, k+1, V] and the catch-up's K/V
-    [L, B, Hkv, W, D] (for slots draft_len + 0..W-1).
+    in the draft cache, uniforms [B, k]: the uniforms of the positions drafted, the ones the target will
+    sample those positions with (the closer the two distributions, the likelier the same token);
+    catch_hidden [B, W, H] for an EAGLE head (see the module docstring). Returns tree tokens [B, k+1] and
+    the catch-up's K/V [L, B, Hkv, W, D] (for slots draft_len + 0..W-1).
     """
     s = _Step(draft, catch_tokens, n_catch, draft_len, k_cache, v_cache, ctx, catch_hidden)
     B = catch_tokens.shape[0]
-    logits, tokens, probs = s.logits, [s.root], [torch.zeros_like(s.logits)]
+    logits, tokens = s.logits, [s.root]
     hidden = None if s.root_hidden is None else s.root_hidden.unsqueeze(1)
     for i in range(k):
-        q = request_probs(logits, temperature, top_k, top_p, filtered)
-        tok = sample_from_probs(q, uniforms[:, i])
+        tok = sample_from_probs(request_probs(logits, temperature, top_k, top_p, filtered), uniforms[:, i])
         tokens.append(tok)
-        probs.append(q)
         if i + 1 < k:
             chain = torch.ones(B, 1, i, dtype=torch.bool, device=tok.device)
             out, hidden = s.feed(tok.unsqueeze(1), i + 1, chain, hidden)
             logits = out[:, 0]
-    return torch.stack(tokens, 1), torch.stack(probs, 1), s.catch_k, s.catch_v
+    return torch.stack(tokens, 1), s.catch_k, s.catch_v
 
 
 def draft_static_tree(draft: Draft, catch_tokens: Tensor, n_catch: Tensor, draft_len: Tensor,

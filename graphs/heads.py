@@ -2,8 +2,8 @@
 
 Both run after the target has produced the root (the bonus token) and the hidden state at the position
 that produced it; neither keeps a cache. Like the draft loops (`graphs.draft`), each returns the tree
-tokens [B, T] (node 0 = root); the sampled MLPSpeculator chain also returns draft_probs [B, T, V], the
-distribution each node was proposed from (Medusa's candidates are deterministic: one-hot, never built).
+tokens [B, T] (node 0 = root): Medusa's candidates are the heads' top-k, the MLPSpeculator chain samples
+each token with the uniform of its position.
 """
 
 from __future__ import annotations
@@ -37,22 +37,19 @@ def medusa_tree(heads: MedusaHeads, hidden: Tensor, root: Tensor, template: Tree
 
 
 def mlp_speculator_chain(spec: MLPSpeculator, hidden: Tensor, root: Tensor, k: int, temperature: Tensor,
-                         top_k: Tensor, top_p: Tensor, uniforms: Tensor,
-                         filtered: bool = True) -> tuple[Tensor, Tensor]:
+                         top_k: Tensor, top_p: Tensor, uniforms: Tensor, filtered: bool = True) -> Tensor:
     """k tokens proposed stage by stage, each sampled as `graphs.draft.draft_chain` samples (argmax where
     temperature is 0) and fed to the next stage.
 
-    hidden [B, H]: the target's hidden state that produced root [B]; uniforms [B, k]. Returns tree tokens
-    [B, k+1] and draft_probs [B, k+1, V] (row 0, the root, is zeros).
+    hidden [B, H]: the target's hidden state that produced root [B]; uniforms [B, k] of the positions
+    drafted. Returns tree tokens [B, k+1].
     """
     if not 1 <= k <= spec.n_predict:
         raise ValueError(f"the MLPSpeculator proposes 1..{spec.n_predict} tokens, asked for {k}")
     state, last = spec.prepare(hidden), root
-    tokens, probs = [root], []
+    tokens = [root]
     for i in range(k):
         state, logits = spec.step(i, state, last)
-        q = request_probs(logits, temperature, top_k, top_p, filtered)
-        last = sample_from_probs(q, uniforms[:, i])
+        last = sample_from_probs(request_probs(logits, temperature, top_k, top_p, filtered), uniforms[:, i])
         tokens.append(last)
-        probs.append(q)
-    return torch.stack(tokens, 1), torch.stack([torch.zeros_like(probs[0])] + probs, 1)
+    return torch.stack(tokens, 1)

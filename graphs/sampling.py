@@ -1,14 +1,42 @@
 """Sampling with per-row parameters as tensors and randomness as an input (no RNG ops in graphs).
 
+The random number that decides a token depends only on the request's seed and that token's position
+(`position_uniforms`), never on the step, the batch or whether the step speculates: a seeded request
+samples the same tokens whatever runs beside it.
+
 `filtered` is a static choice of graph variant: top-k/top-p need a sort over the vocabulary, which
 costs more than the rest of sampling together, so requests that use neither run the variant without it.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser (uint64 arithmetic wraps)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def position_uniforms(seed: int, positions: np.ndarray, dtype: torch.dtype) -> Tensor:
+    """The uniforms in [0, 1) that decide the tokens at `positions` of a request with this seed.
+
+    Counter-based: the SplitMix64 stream keyed by the mixed seed, read at each position, so any token's
+    draw is available without the ones before it. float32 keeps 24 random bits and float64 53, so the
+    value is exact in its dtype and never rounds up to 1. runtime/native/engine.cpp computes the same.
+    """
+    key = _mix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
+    with np.errstate(over="ignore"):
+        z = _mix64(key + np.asarray(positions, dtype=np.uint64) * _GOLDEN)
+    bits = 53 if dtype == torch.float64 else 24
+    return torch.from_numpy((z >> np.uint64(64 - bits)).astype(np.float64) * 2.0 ** -bits).to(dtype)
 
 
 def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specair.graphs.acceptance import accept_greedy, accept_rejection, accept_typical
+from specair.graphs.acceptance import accept_exact, accept_greedy, accept_typical
 from specair.graphs.tree import TreeBuffers, buffers_from_parents
 from specair.models.llama import ModelOutput, Transformer
 
@@ -64,8 +64,7 @@ def expanded_verify(model: Transformer, tree_tokens: Tensor, leaf_path: Tensor, 
 
 
 def verify_and_accept(target: Transformer, tree_tokens: Tensor, root_pos: Tensor, k_cache: Tensor,
-                      v_cache: Tensor, parents: Tensor | None = None, draft_probs: Tensor | None = None,
-                      uniforms: Tensor | None = None, temperature: Tensor | None = None, top_k: Tensor | None = None,
+                      v_cache: Tensor, parents: Tensor | None = None, uniforms: Tensor | None = None, temperature: Tensor | None = None, top_k: Tensor | None = None,
                       top_p: Tensor | None = None, *, ctx: int, acceptance: str, max_depth: int, max_width: int,
                       tree: TreeBuffers | None = None, expansion: tuple[Tensor, Tensor, Tensor] | None = None,
                       filtered: bool = True, posterior_threshold: float = 0.09,
@@ -75,8 +74,8 @@ def verify_and_accept(target: Transformer, tree_tokens: Tensor, root_pos: Tensor
     tree_tokens [B, T] (node 0 = root); root_pos [B]; a static tree's buffers come as `tree` (on the
     graph's device), a per-row tree as `parents` [B, T]; `expansion` (static trees only) scores one
     causal row per leaf path instead of the tree mask. `acceptance` (static) is "greedy", "typical" or
-    "rejection": rejection needs uniforms [B, T+1] and the sampling tensors [B], and `draft_probs`
-    [B, T, V] only for sampled proposals (None: every node was chosen deterministically). `chain`: the
+    "exact": exact needs uniforms [B, D+1] (column d: the position root_pos + d + 1) and the sampling
+    tensors [B]. `chain`: the
     static tree is one path, so attention is plain causal and the K/V returned are every node's own at
     its own slot, which on the accepted prefix is the accepted path's (the slots after it are past the
     committed length, where nothing reads).
@@ -86,10 +85,9 @@ def verify_and_accept(target: Transformer, tree_tokens: Tensor, root_pos: Tensor
     """
     B, T = tree_tokens.shape
     if parents is not None:
-        depth, mask, children, paths = buffers_from_parents(parents, max_depth, max_width)
+        depth, mask, _, paths = buffers_from_parents(parents, max_depth, max_width)
     else:
-        depth, mask = tree.depth, tree.ancestor_mask.unsqueeze(0)
-        children, paths = tree.children.expand(B, *tree.children.shape), tree.paths.expand(B, *tree.paths.shape)
+        depth, mask, paths = tree.depth, tree.ancestor_mask.unsqueeze(0), tree.paths.expand(B, *tree.paths.shape)
     if expansion is not None:
         out = expanded_verify(target, tree_tokens, *expansion, root_pos, k_cache, v_cache, ctx)
     else:
@@ -100,8 +98,8 @@ def verify_and_accept(target: Transformer, tree_tokens: Tensor, root_pos: Tensor
         res = accept_typical(tree_tokens, out.logits, paths, temperature, top_k, top_p, posterior_threshold,
                              posterior_alpha, filtered)
     else:
-        res = accept_rejection(tree_tokens, out.logits, draft_probs, children, uniforms, temperature, top_k, top_p,
-                               max_depth=max_depth, filtered=filtered)
+        res = accept_exact(tree_tokens, out.logits, paths, uniforms, temperature, top_k, top_p,
+                           "filtered" if filtered else "plain")
     nodes = res.node_ids.clamp(min=0)
     hidden = out.hidden.gather(1, nodes.unsqueeze(-1).expand(-1, -1, out.hidden.shape[-1]))
     if chain and expansion is None:

@@ -51,9 +51,9 @@ class BatchState:
         self.tokens[:B] = torch.where(active, next_tokens, self.tokens[:B])
         self.positions[:B] += active * num_new
 
-    def uniforms(self, rows: list[Seq], B: int, *shape: int) -> Tensor:
-        """Uniform draws [B, *shape] on the device: each running row's from its own generator, zeros after."""
-        u = torch.zeros(B, *shape, dtype=self.udtype)
+    def uniforms(self, rows: list[Seq], B: int, n: int | None = None) -> Tensor:
+        """The uniforms of the next n positions of each running row [B, n] ([B] when n is None), zeros after."""
+        u = torch.zeros(B, n or 1, dtype=self.udtype)
         for i, s in enumerate(rows):
-            u[i] = s.req.uniforms(*shape)[0]
-        return u.to(self.device, non_blocking=True)
+            u[i] = s.req.uniforms(len(s.seq), n or 1)
+        return (u if n else u[:, 0]).to(self.device, non_blocking=True)

@@ -194,7 +194,7 @@ class Engine:
         s = self.sched.next_prefill()
         new = None
         if s is not None and waiting and self.group is not None:
-            params = s.params if s.params.seed is not None else replace(s.params, seed=s.req.gen.initial_seed())
+            params = s.params if s.params.seed is not None else replace(s.params, seed=s.req.seed)
             new = (s.request_id, s.prompt, params)
         return StepMeta(
             rows=tuple(x.request_id for x in rows), aborts=aborts, new=new, prefill=s is not None, shape=shape,
@@ -291,7 +291,7 @@ class Engine:
         self.sched.prefilling = None
         r = s.req
         first = int(sample(out["logits"], r.temperature.to(self.device), r.top_k.to(self.device),
-                           r.top_p.to(self.device), r.uniforms().to(self.device), r.variant).item())
+                           r.top_p.to(self.device), r.uniforms(len(s.prompt)).to(self.device), r.variant).item())
         s.t_first = time.perf_counter()
         s.seq = list(s.prompt)
         if self.proposer is not None:
@@ -347,17 +347,17 @@ class Engine:
         D = tree.depth
         ctx = self.sched.context_bucket()  # both models read only committed slots
         root_pos = st.positions[:B].clone()
-        step = Step(B, shape, tree, self.rows, ctx, variant, st.sampling(B), st.tokens[:B], root_pos,
-                    lambda n: st.uniforms(self.rows, B, n))
+        uniforms = st.uniforms(self.rows, B, D + 1)
+        # A fresh [B, D] buffer: a slice keeps the stride D + 1, which compiled graphs guard on.
+        drafted = uniforms.new_empty(B, D).copy_(uniforms[:, :D])
+        step = Step(B, shape, tree, self.rows, ctx, variant, st.sampling(B), st.tokens[:B], root_pos, drafted)
         prop = self.proposer.propose(step)
         key = self.catalog.verify_key(B, ctx, variant, shape)
         inputs = {"tree_tokens": prop.tokens, "root_pos": root_pos, **self.kv["target"]}
         if tree.dynamic:
             inputs["parents"] = prop.parents
-        if key.method == "rejection":
-            if self.proposer.proposal_probs(tree):
-                inputs["draft_probs"] = prop.draft_probs
-            inputs["uniforms"] = st.uniforms(self.rows, B, tree.num_nodes + 1)
+        if key.method == "exact":
+            inputs["uniforms"] = uniforms
         if key.method != "greedy":
             inputs.update(step.sampling)
         out = self.graphs(key, **inputs)

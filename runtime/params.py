@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from specair.compile.catalog import uniform_dtype
-from specair.graphs.sampling import sampling_variant
+from specair.graphs.sampling import position_uniforms, sampling_variant
 from specair.models.errors import InputError
 from specair.runtime.detokenize import IncrementalDetokenizer
 
@@ -76,15 +78,12 @@ class StreamEvent:
 
 
 class Request:
-    """Per-request sampling state the engine reads: sampling tensors and the seeded uniform source."""
+    """Per-request sampling state the engine reads: sampling tensors and the seed (drawn at random when the
+    request gives none)."""
 
     def __init__(self, params: SamplingParams, dtype: torch.dtype) -> None:
         self.params = params
-        self.gen = torch.Generator()
-        if params.seed is None:
-            self.gen.seed()
-        else:
-            self.gen.manual_seed(params.seed)
+        self.seed = secrets.randbits(63) if params.seed is None else params.seed
         self.temperature = torch.tensor([float(params.temperature)], dtype=dtype)
         self.top_k = torch.tensor([params.top_k])
         self.top_p = torch.tensor([float(params.top_p)], dtype=dtype)
@@ -96,9 +95,9 @@ class Request:
     def greedy(self) -> bool:
         return self.params.temperature == 0
 
-    def uniforms(self, *shape: int) -> Tensor:
-        """Uniform draws [1, *shape] from this request's own generator (seeded requests reproduce)."""
-        return torch.rand(1, *shape, generator=self.gen, dtype=self.uniform_dtype)
+    def uniforms(self, position: int, n: int = 1) -> Tensor:
+        """The uniforms [n] that decide this request's tokens at positions position .. position + n - 1."""
+        return position_uniforms(self.seed, np.arange(position, position + n), self.uniform_dtype)
 
 
 class TextAssembler:

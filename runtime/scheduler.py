@@ -95,7 +95,7 @@ class Scheduler:
         spec = self.plan.speculative
         if spec is not None and spec.acceptance == "greedy" and not req.greedy:
             raise InputError("this engine's acceptance is 'greedy', which needs temperature 0; "
-                             "use acceptance 'rejection' to sample exactly")
+                             "use acceptance 'exact' to sample")
         s = Seq(request_id, ids, params, req, TextAssembler(self.tokenizer, ids, params.stop),
                 min(params.max_tokens, self.plan.max_context - len(ids)), time.perf_counter())
         if spec is not None:

@@ -21,7 +21,7 @@ from helpers import save_tiny
 
 from specair.compile.backends.base import BackendUnavailable
 from specair.compile.graph_def import GraphDef, GraphModule
-from specair.graphs.acceptance import accept_rejection
+from specair.graphs.acceptance import accept_exact
 from specair.graphs.draft import draft_chain, draft_static_tree
 from specair.graphs.steps import decode_step, prefill_chunk
 from specair.graphs.tree import get_template
@@ -98,18 +98,16 @@ def build_graphs(target, draft) -> dict[str, GraphDef]:
         (torch.randint(0, V, (1, K + 1), generator=g), torch.tensor([2]), torch.tensor([10]), dk, dv,
          *sampling(1), torch.rand(1, K, generator=g)),
         ("catch_tokens", "n_catch", "draft_len", *kv, "temperature", "top_k", "top_p", "uniforms"),
-        ("tree_tokens", "draft_probs", "catch_k", "catch_v"))
+        ("tree_tokens", "catch_k", "catch_v"))
     # A 63-node template: Inductor turns its index buffers into package constants (not model weights).
     add("draft_tree.b1.c64", draft_static_tree, {"draft": draft}, {"template": tree, "ctx": CTX},
         (torch.randint(0, V, (1, tree.max_depth + 1), generator=g), torch.tensor([3]), torch.tensor([20]), dk, dv),
-        ("catch_tokens", "n_catch", "draft_len", *kv), ("tree_tokens", "draft_probs", "catch_k", "catch_v"))
-    chain = torch.tensor([[i + 1] for i in range(K)] + [[-1]]).unsqueeze(0)  # [1, K+1, 1]
-    add("accept_rejection.b1", accept_rejection, {}, {"max_depth": K},
+        ("catch_tokens", "n_catch", "draft_len", *kv), ("tree_tokens", "catch_k", "catch_v"))
+    add("accept_exact.b1", accept_exact, {}, {},
         (torch.randint(0, V, (1, K + 1), generator=g), torch.randn(1, K + 1, V, generator=g),
-         torch.randn(1, K + 1, V, generator=g).softmax(-1), chain, torch.rand(1, K + 2, generator=g),
-         *sampling(1)),
-        ("tree_tokens", "target_logits", "draft_probs", "children", "uniforms", "temperature", "top_k", "top_p"),
-        ("tokens", "num_accepted", "path", "last"))
+         get_template(None, K).buffers().paths.unsqueeze(0), torch.rand(1, K + 1, generator=g), *sampling(1)),
+        ("tree_tokens", "target_logits", "paths", "uniforms", "temperature", "top_k", "top_p"),
+        ("num_accepted", "tokens", "node_ids"))
     return {gd.key: gd for gd in graphs}
 
 
@@ -158,7 +156,7 @@ def test_packages_hold_no_weights_and_share_the_live_parameters(built):
         names = zipfile.ZipFile(art / f"{key}.pt2").namelist()
         assert not any("weights" in n or n.endswith(".blob") for n in names), names
     # The model-free graph needs nothing from the model; the tree draft owns its index constants.
-    assert all(not f.startswith("models.") for f in built["fns"]["accept_rejection.b1"].constant_fqns())
+    assert all(not f.startswith("models.") for f in built["fns"]["accept_exact.b1"].constant_fqns())
     tree_fqns = built["fns"]["draft_tree.b1.c64"].constant_fqns()
     assert any(not f.startswith("models.") for f in tree_fqns) and "models.draft.output.weight" in tree_fqns
 
@@ -189,8 +187,8 @@ def test_packages_hold_no_weights_and_share_the_live_parameters(built):
 def test_no_state_leaks_between_calls(built):
     """Graphs are pure: a second call with a changed cache sees only its own inputs (cf. the AOTI
     small-mutated-buffer bug, pytorch#165444, which needs state inside the package)."""
-    # key -> an output that depends on the cache (logits, draft probabilities)
-    for key, dep in (("decode.b1.c64", 1), ("verify.b2.c64", 0), ("draft_chain.b1.c64", 1)):
+    # key -> an output that depends on the cache (logits, the drafted tokens)
+    for key, dep in (("decode.b1.c64", 1), ("verify.b2.c64", 0), ("draft_chain.b1.c64", 0)):
         gd, fn = built["graphs"][key], built["fns"][key]
         first = tuple(t.clone() for t in gd.example_inputs)
         second = list(t.clone() for t in gd.example_inputs)

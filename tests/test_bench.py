@@ -90,7 +90,7 @@ def test_markdown_and_plots(tmp_path):
 
 def test_parse_configs_expands_and_adds_baselines():
     ls = {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}
-    cfgs = bench.parse_configs([ls], backends=("eager", "inductor"), acceptances=("rejection", "typical"))
+    cfgs = bench.parse_configs([ls], backends=("eager", "inductor"), acceptances=("exact", "typical"))
     names = [c.label for c in cfgs]
     # An autoregressive baseline per backend, first; each spec crossed with backends and acceptances.
     assert names[:2] == ["autoregressive", "autoregressive [inductor]"]

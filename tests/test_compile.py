@@ -182,7 +182,7 @@ def test_cli_onnx_edge_export_passes_check_onnx_and_serves(tiny_dir, tmp_path):
                 "--speculative-config", spec)
     assert r.returncode == 0, r.stderr
     files = sorted(str(p) for p in out.glob("*.onnx"))
-    # prefill, decode x2, verify x2 (greedy, rejection), draft prefill and sync, draft x2 (plain, filtered); weights
+    # prefill, decode x2, verify x2 (greedy, exact), draft prefill and sync, draft x2 (plain, filtered); weights
     # inside each file
     assert len(files) == 9 and not list(out.glob("*.bin"))
     check = run_cli("check-onnx", *files)

@@ -30,7 +30,7 @@ from specair.compile.backends.cuda import (CudaGraphBackend, StaticBindings, che
 from specair.compile.backends.npu import (CACHE_DIR, NpuBackend, check_cache_file, prepare_cache_copy, proxy_method,
                                           proxy_name)
 from specair.compile.graph_def import GraphDef, GraphModule
-from specair.graphs.acceptance import accept_greedy, accept_rejection, accept_typical
+from specair.graphs.acceptance import accept_exact, accept_greedy, accept_typical
 from specair.graphs.draft import draft_chain, draft_static_tree, draft_topk_tree
 from specair.graphs.steps import decode_step, prefill_chunk
 from specair.graphs.tree import buffers_from_parents, get_template
@@ -140,13 +140,11 @@ def graph_cases(model):
         "accept_typical": (accept_typical, {}, {}, ("tree_tokens", "target_logits", "paths", "temperature",
                                                     "top_k", "top_p"),
                            lambda s, kv: [tree_tokens(rng(s)), logits(rng(s + 1)), ex(buf.paths), *sampling(s)]),
-        "accept_rejection": (accept_rejection, {}, {"max_depth": D},
-                             ("tree_tokens", "target_logits", "draft_probs", "children", "uniforms", "temperature",
-                              "top_k", "top_p"),
-                             lambda s, kv: [tree_tokens(rng(s)), logits(rng(s + 1)),
-                                            torch.randn(B, T, V, generator=rng(s + 2)).softmax(-1), ex(buf.children),
-                                            torch.rand(B, T + 1, generator=rng(s + 3), dtype=torch.float64),
-                                            *sampling(s)]),
+        "accept_exact": (accept_exact, {}, {},
+                         ("tree_tokens", "target_logits", "paths", "uniforms", "temperature", "top_k", "top_p"),
+                         lambda s, kv: [tree_tokens(rng(s)), logits(rng(s + 1)), ex(buf.paths),
+                                        torch.rand(B, D + 1, generator=rng(s + 3), dtype=torch.float64),
+                                        *sampling(s)]),
     }
 
 

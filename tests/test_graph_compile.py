@@ -106,11 +106,9 @@ def test_draft_and_verify_compile(model, tree):
         fn = functools.partial(draft_static_tree, model, template=tpl, ctx=CTX)
         args = lambda kv: (catch, n_catch, draft_len, *kv)  # noqa: E731
     drafted, _ = run_both(fn, caches, args)
-    tokens, ck, q = drafted[0], drafted[-2], drafted[1] if tpl.max_width == 1 else None
+    tokens, ck = drafted[0], drafted[-2]
     assert ck.shape[3] == D + 1
-    assert tokens.shape == (B, tpl.num_nodes)
-    assert len(drafted) == (4 if tpl.max_width == 1 else 3)  # trees are deterministic: no draft distribution
-    assert q is None or q.shape == (B, tpl.num_nodes, 256)
+    assert tokens.shape == (B, tpl.num_nodes) and len(drafted) == 3
 
     buf = tpl.buffers()
     root = torch.tensor([12, 60])
@@ -121,11 +119,11 @@ def test_draft_and_verify_compile(model, tree):
     for a, b in zip(out, exp):  # both scorers agree node by node
         assert torch.allclose(a, b, atol=1e-4)
     # Scoring and acceptance in one graph, with either scorer, then the accepted path's commit.
-    u = torch.rand(B, tpl.num_nodes + 1)
-    static = dict(ctx=CTX, acceptance="rejection", max_depth=D, max_width=tpl.max_width, tree=buf)
+    u = torch.rand(B, D + 1)
+    static = dict(ctx=CTX, acceptance="exact", max_depth=D, max_width=tpl.max_width, tree=buf)
     fused, _ = run_both(functools.partial(verify_and_accept, model, **static), caches,
-                        lambda kv: (tokens, root, *kv, None, q, u, *SAMPLING))
-    fused_exp = verify_and_accept(model, tokens, root, *caches, None, q, u, *SAMPLING,
+                        lambda kv: (tokens, root, *kv, None, u, *SAMPLING))
+    fused_exp = verify_and_accept(model, tokens, root, *caches, None, u, *SAMPLING,
                                   expansion=leaf_paths(buf.paths, buf.children), **static)
     assert_same(fused, fused_exp)
     num_accepted, _, node_ids, path_hidden, path_k, _ = fused

@@ -30,7 +30,7 @@ from specair.compile.backends.onnx import (
 )
 from specair.compile.graph_def import GraphDef, GraphModule
 from specair.compile.onnx_ops import check_onnx, main_check_onnx
-from specair.graphs.acceptance import accept_greedy, accept_rejection, accept_typical
+from specair.graphs.acceptance import accept_exact, accept_greedy, accept_typical
 from specair.graphs.draft import draft_chain, draft_static_tree, draft_topk_tree
 from specair.graphs.steps import decode_step, prefill_chunk
 from specair.graphs.tree import buffers_from_parents, get_template
@@ -42,7 +42,7 @@ SLOTS, V = 192, 256
 TREE = get_template("kary:2x2", 2)
 K_CHAIN = 2
 MODEL_KINDS = ["prefill", "decode", "verify", "verify_and_accept", "draft_chain", "draft_static_tree", "draft_topk_tree"]
-ACCEPT_KINDS = ["accept_greedy", "accept_typical", "accept_rejection", "buffers_from_parents"]
+ACCEPT_KINDS = ["accept_greedy", "accept_typical", "accept_exact", "buffers_from_parents"]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def _inputs(kind: str, B: int, model: Transformer | None, seed: int) -> tuple[to
     if kind == "verify":
         return tok(B, T), buf.depth, buf.ancestor_mask.unsqueeze(0), rows(12, 60), k, v
     if kind == "verify_and_accept":  # what the runtime dispatches: deterministic tree, exact sampling
-        return tok(B, T), rows(12, 60), k, v, torch.rand(B, T + 1, generator=g), *samp
+        return tok(B, T), rows(12, 60), k, v, torch.rand(B, TREE.max_depth + 1, generator=g), *samp
     if kind == "draft_chain":
         return tok(B, K_CHAIN + 1), rows(2, K_CHAIN + 1), rows(10, 50), k, v, *samp, torch.rand(B, K_CHAIN, generator=g)
     if kind == "draft_static_tree":
@@ -104,10 +104,8 @@ def _inputs(kind: str, B: int, model: Transformer | None, seed: int) -> tuple[to
         return tok(B, T), logits, paths
     if kind == "accept_typical":
         return tok(B, T), logits, paths, *samp
-    if kind == "accept_rejection":
-        q = torch.randn(B, T, V, generator=g).softmax(-1)
-        return (tok(B, T), logits, q, buf.children.expand(B, -1, -1).contiguous(), torch.rand(B, T + 1, generator=g),
-                *samp)
+    if kind == "accept_exact":
+        return tok(B, T), logits, paths, torch.rand(B, TREE.max_depth + 1, generator=g), *samp
     if kind == "buffers_from_parents":
         parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3], [-1, 0, 1, 2, 0, 0, 4]])[:B]
         return (parents,)
@@ -124,11 +122,11 @@ def make_graph(kind: str, B: int, ctx: int | None, model: Transformer | None, se
         "draft_topk_tree": (draft_topk_tree, "draft", {"ctx": ctx, "depth": 3, "topk": 2, "num_nodes": 6}),
         "accept_greedy": (accept_greedy, None, {}),
         "accept_typical": (accept_typical, None, {}),
-        "accept_rejection": (accept_rejection, None, {"max_depth": TREE.max_depth}),
+        "accept_exact": (accept_exact, None, {}),
         "buffers_from_parents": (buffers_from_parents, None, {"max_depth": 3, "max_width": 3}),
     }
     if kind == "verify_and_accept":
-        static = {"ctx": ctx, "acceptance": "rejection", "max_depth": TREE.max_depth, "max_width": TREE.max_width,
+        static = {"ctx": ctx, "acceptance": "exact", "max_depth": TREE.max_depth, "max_width": TREE.max_width,
                   "tree": TREE.buffers()}
         names = ("tree_tokens", "root_pos", "k_cache", "v_cache", "uniforms", "temperature", "top_k", "top_p")
         module = GraphModule(verify_and_accept, {"target": model}, static, names)

@@ -72,12 +72,13 @@ def test_lossless_greedy_float64(tiny64, reference, tree, k, scorer):
                                                          / spec["num_drafts"])
 
 
-def test_target_as_its_own_draft_accepts_everything(tiny64):
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_p": 0.95, "seed": 3}], ids=["greedy", "seeded"])
+def test_target_as_its_own_draft_accepts_everything(tiny64, sampling):
     """A draft identical to the target is always right: every step yields k + 1 tokens, and the stream says
-    so step by step."""
+    so step by step. Sampling too: the draft samples each position with the uniform the target uses."""
     target = tiny64[0][0]
     events = list(spec_llm(target, target, num_speculative_tokens=4).stream(
-        PROMPT, SamplingParams(max_tokens=40, ignore_eos=True)))
+        PROMPT, SamplingParams(max_tokens=40, ignore_eos=True, **sampling)))
     spec = events[-1].result.extra["spec"]
     assert spec["num_accepted_tokens"] == spec["num_draft_tokens"]
     assert spec["mean_accepted_length"] == 5.0
@@ -85,14 +86,17 @@ def test_target_as_its_own_draft_accepts_everything(tiny64):
     assert len(steps) == spec["num_drafts"] and all(e.draft == (4, 4) for e in steps)
 
 
-@pytest.mark.parametrize("acceptance", ["rejection", "typical"])
+@pytest.mark.parametrize("acceptance", ["exact", "typical"])
 def test_sampling_runs_and_is_seeded(tiny64, acceptance):
+    """Seeded sampling reproduces; with exact acceptance it is plain decoding's sample, token for token."""
     target, draft = tiny64[0]
     llm = spec_llm(target, draft, num_speculative_tokens=3, tree="kary:3x2", acceptance=acceptance)
     p = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, top_k=50, seed=5, ignore_eos=True)
     a, b = llm.generate(PROMPT, p)[0], llm.generate(PROMPT, p)[0]
     assert a.token_ids == b.token_ids and len(a.token_ids) == 30
     assert a.extra["spec"]["num_drafts"] > 0
+    if acceptance == "exact":
+        assert a.token_ids == autoregressive(target, PROMPT, p).token_ids
 
 
 def test_near_end_of_context_falls_back_to_plain_steps(tiny64):

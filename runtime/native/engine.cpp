@@ -1,12 +1,10 @@
 // The step loop of runtime/engine.py: rows, batch buckets (padding rows compute on zeros), one prefill chunk
 // per step, with the proposers' protocols of runtime/proposers/: the n-gram index, a draft with its own
 // cache (draft model, layer skip, EAGLE, EAGLE-3) and heads on the last hidden state (Medusa,
-// MLPSpeculator). Each row draws its random numbers from its own generator in Python's order, so a seeded
-// sampled run gives the Python engine's tokens.
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/core/DistributionsHelper.h>
-
+// MLPSpeculator). The uniform that decides a token is a function of the request's seed and the token's
+// position (graphs/sampling.py position_uniforms), so a seeded sampled run gives the Python engine's tokens.
 #include <chrono>
+#include <cmath>
 #include <deque>
 #include <limits>
 #include <random>
@@ -138,8 +136,22 @@ struct Adaptive {
 };
 
 struct Proposal {
-  at::Tensor tokens, draft_probs, parents;
+  at::Tensor tokens, parents;
 };
+
+uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// graphs/sampling.py position_uniforms: SplitMix64 keyed by the mixed seed, read at the position; 24 random
+// bits for float32 and 53 for float64, so the value is exact and below 1.
+double position_uniform(uint64_t seed, int64_t position, bool dbl) {
+  uint64_t z = mix64(mix64(seed) + static_cast<uint64_t>(position) * 0x9E3779B97F4A7C15ull);
+  int bits = dbl ? 53 : 24;
+  return static_cast<double>(z >> (64 - bits)) * std::ldexp(1.0, -bits);
+}
 
 }  // namespace
 
@@ -148,7 +160,7 @@ struct Seq {
   size_t index = 0;  // its line in the prompts file
   std::vector<int64_t> prompt, seq, out;  // seq: prompt + generated; its last token is not in the cache yet
   std::string variant;  // its own sampling variant
-  at::Generator gen;
+  uint64_t seed = 0;
   int64_t budget = 0, prefilled = 0;
   NgramIndex ngram;
   std::vector<int64_t> proposal;
@@ -245,15 +257,19 @@ struct Runner::Impl {
 
   static bool takes(const GraphIO& io, const std::string& input) { return io.input(input) != nullptr; }
 
-  // [B, *shape]: each running row's draws from its own generator (Python's torch.rand(1, *shape)), zeros after.
-  at::Tensor uniforms(std::vector<int64_t> shape) {
-    std::vector<int64_t> one = {1};
-    one.insert(one.end(), shape.begin(), shape.end());
-    shape.insert(shape.begin(), B);
-    at::Tensor all = at::zeros(shape, at::TensorOptions().dtype(udtype));
+  // The uniforms of one sequence's positions from..from+n-1 [n].
+  at::Tensor uniforms_at(const Seq& s, int64_t from, int64_t n) const {
+    std::vector<double> u(n);
+    for (int64_t j = 0; j < n; ++j) u[j] = position_uniform(s.seed, from + j, udtype == at::kDouble);
+    return at::tensor(u, at::TensorOptions().dtype(at::kDouble)).to(udtype);
+  }
+
+  // The uniforms of each running row's next n positions [B, n] (n = 0: [B]), zeros after.
+  at::Tensor uniforms(int64_t n) const {
+    at::Tensor all = at::zeros({B, std::max<int64_t>(n, 1)}, at::TensorOptions().dtype(udtype));
     for (size_t i = 0; i < rows.size(); ++i)
-      all[i].copy_(at::rand(one, rows[i]->gen, at::TensorOptions().dtype(udtype))[0]);
-    return all;
+      all[i].copy_(uniforms_at(*rows[i], static_cast<int64_t>(rows[i]->seq.size()), std::max<int64_t>(n, 1)));
+    return n ? all : all.select(1, 0);
   }
 
   Named sampling() {
@@ -420,7 +436,7 @@ struct Runner::Impl {
     if (s.prefilled < P) return;
     prefilling = nullptr;
     auto opts = at::TensorOptions().dtype(art.dtype);
-    at::Tensor u = at::rand({1}, s.gen, at::TensorOptions().dtype(udtype));
+    at::Tensor u = uniforms_at(s, P, 1);
     int64_t first = sample(o.at("logits"), at::full({1}, params.temperature, opts), longs({params.top_k}),
                            at::full({1}, params.top_p, opts), u, s.variant)
                         .item<int64_t>();
@@ -495,7 +511,7 @@ struct Runner::Impl {
     in.merge(sampling());
     in["tokens"] = last_tokens.slice(0, 0, B);
     in["cache_len"] = pos;
-    in["uniform"] = uniforms({});
+    in["uniform"] = uniforms(0);
     Named o = call(step.at("decode"), in);
     commit_role("target", o, "new_k", "new_v", pos.unsqueeze(1));
     at::Tensor nxt = o.at("next_tokens");
@@ -565,7 +581,7 @@ struct Runner::Impl {
       }
       at::Tensor tokens = longs(tok).view({B, D + 1});
       tokens.select(1, 0).copy_(last_tokens.slice(0, 0, B));
-      return {tokens, {}, {}};
+      return {tokens, {}};
     }
     std::string name = step.at("draft");
     const GraphIO& io = art.graph(name);
@@ -577,9 +593,9 @@ struct Runner::Impl {
       in["hidden"] = h;
       in["root"] = last_tokens.slice(0, 0, B);
       if (takes(io, "temperature")) in.merge(sampling());
-      if (takes(io, "uniforms")) in["uniforms"] = uniforms({D});
+      if (takes(io, "uniforms")) in["uniforms"] = uniforms(D);
       Named o = call(name, in);
-      return {o.at("tree_tokens"), o.count("draft_probs") ? o.at("draft_probs") : at::Tensor(), {}};
+      return {o.at("tree_tokens"), {}};
     }
     sync(D, variant);
     std::vector<int64_t> catch_tokens(B * (D + 1), 0);
@@ -597,7 +613,7 @@ struct Runner::Impl {
     in["n_catch"] = longs(n_catch);
     in["draft_len"] = draft_len;
     if (takes(io, "temperature")) in.merge(sampling());
-    if (takes(io, "uniforms")) in["uniforms"] = uniforms({D});
+    if (takes(io, "uniforms")) in["uniforms"] = uniforms(D);
     if (reads_hidden) {
       const InputSpec* spec = io.input("catch_hidden");
       at::Tensor h = at::zeros(spec->shape, at::TensorOptions().dtype(spec->dtype));
@@ -607,8 +623,7 @@ struct Runner::Impl {
     Named o = call(name, in);
     commit_role("draft", o, "catch_k", "catch_v", slot_range(draft_len, D + 1));
     for (size_t i = 0; i < rows.size(); ++i) rows[i]->draft_length += caught[i];
-    return {o.at("tree_tokens"), o.count("draft_probs") ? o.at("draft_probs") : at::Tensor(),
-            o.count("parents") ? o.at("parents") : at::Tensor()};
+    return {o.at("tree_tokens"), o.count("parents") ? o.at("parents") : at::Tensor()};
   }
 
   std::vector<std::vector<int64_t>> speculative_step(const std::string& variant, int shape) {
@@ -622,8 +637,7 @@ struct Runner::Impl {
     in["tree_tokens"] = prop.tokens;
     in["root_pos"] = root_pos;
     if (takes(io, "parents")) in["parents"] = prop.parents;
-    if (takes(io, "draft_probs")) in["draft_probs"] = prop.draft_probs;
-    if (takes(io, "uniforms")) in["uniforms"] = uniforms({io.input("tree_tokens")->shape[1] + 1});
+    if (takes(io, "uniforms")) in["uniforms"] = uniforms(D + 1);
     if (takes(io, "temperature")) in.merge(sampling());
     Named o = call(name, in);
     commit_role("target", o, "path_k", "path_v", slot_range(root_pos, D + 1));
@@ -703,7 +717,7 @@ void Runner::check(const std::vector<int64_t>& prompt, const Params& p) const {
   art.variant_for(variant_of(p));
   if (!art.proposer.is_null() && art.proposer.value("acceptance", "") == "greedy" && p.temperature != 0)
     throw InputError("this engine's acceptance is 'greedy', which needs temperature 0; use acceptance "
-                     "'rejection' to sample exactly");
+                     "'exact' to sample");
 }
 
 std::vector<Result> Runner::generate(const std::vector<std::vector<int64_t>>& prompts, const Params& params,
@@ -739,8 +753,8 @@ std::vector<Result> Runner::generate(const std::vector<std::vector<int64_t>>& pr
     s.prompt = prompts[i];
     s.variant = variant_of(params);
     s.budget = std::min(params.max_tokens, e.art.max_context - static_cast<int64_t>(s.prompt.size()));
-    uint64_t seed = params.seed ? *params.seed : c10::detail::getNonDeterministicRandom();
-    s.gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    std::random_device entropy;
+    s.seed = params.seed ? static_cast<uint64_t>(*params.seed) : (uint64_t{entropy()} << 32 | entropy());
     s.stats = SpecStats{0, 0, 0, std::vector<int64_t>(e.art.max_depth, 0)};
     auto count = [&](const char* key) {  // null for proposers other than n-gram
       const json v = proposer.is_null() ? json() : proposer.value(key, json());

@@ -61,11 +61,10 @@ def parse_config(spec: str | dict[str, Any] | SpeculativeConfig | None) -> Specu
 
 
 class Proposal(NamedTuple):
-    """A step's proposal on the device: tree tokens [B, T] (node 0 = the root), the distribution each
-    node was drawn from [B, T, V] (sampled proposals only), and per-row parents [B, T] (dynamic trees)."""
+    """A step's proposal on the device: tree tokens [B, T] (node 0 = the root) and per-row parents [B, T]
+    (dynamic trees)."""
 
     tokens: Tensor
-    draft_probs: Tensor | None = None
     parents: Tensor | None = None
 
 
@@ -82,7 +81,7 @@ class Step:
     sampling: dict[str, Tensor]  # temperature, top_k, top_p [B] on the device
     root: Tensor  # [B] each row's last accepted token (not in the cache yet)
     root_pos: Tensor  # [B] committed length
-    uniforms: Callable[[int], Tensor]  # n -> [B, n] from each row's own generator
+    uniforms: Tensor  # [B, D]: the uniforms of the positions drafted (a sampled draft reads them)
 
 
 class Proposer:
@@ -91,7 +90,6 @@ class Proposer:
 
     method: ClassVar[str]
     has_cache: ClassVar[bool] = False  # keeps a KV cache of its own, beside the target's (KVSlots role "draft")
-    sampled: ClassVar[bool] = True  # chains are sampled from a draft distribution (False: chosen deterministically)
     # How the native runner (runtime/native) drives it: "ngram", "cached_draft" or "last_hidden" (None: it cannot).
     native: ClassVar[str | None] = None
 
@@ -103,13 +101,6 @@ class Proposer:
         self.spec, self.plan, self.trees, self.target, self.draft = spec, plan, plan.trees, target, draft
         self.graphs: GraphSet | None = None
         self.kv: KVSlots | None = None
-
-    # ---- flags the catalogue and engine read ----------------------------------------------------------
-
-    def proposal_probs(self, tree: TreeShape) -> bool:
-        """Whether proposals of that shape carry draft_probs: only sampled chains; trees' candidates are
-        deterministic."""
-        return self.sampled and tree.kind == "chain"
 
     # ---- configuration and loading (the builder) -------------------------------------------------------
 

@@ -76,7 +76,7 @@ class CachedDraft(Proposer):
         if tree.kind == "chain":
             fn, static = draft_chain, {"k": D, "ctx": key.ctx, "filtered": key.variant == "filtered"}
             inputs.update(cat.sampling(B), uniforms=cat.uniforms(B, D))
-            outs = ["tree_tokens", "draft_probs", "catch_k", "catch_v"]
+            outs = ["tree_tokens", "catch_k", "catch_v"]
         elif tree.kind == "static":
             fn = draft_static_tree
             static = {"template": tree.template, "ctx": key.ctx, "buffers": cat.on_device(tree.template.buffers())}
@@ -174,7 +174,7 @@ class CachedDraft(Proposer):
         inputs = {"catch_tokens": catch.to(self.device), "n_catch": n_catch.to(self.device), "draft_len": draft_len,
                   **self.kv["draft"]}
         if step.tree.kind == "chain":
-            inputs.update(step.sampling, uniforms=step.uniforms(D))
+            inputs.update(step.sampling, uniforms=step.uniforms)
         if self.reads_hidden:
             h = torch.zeros(B, D + 1, self.target.feature_size, dtype=self.target.dtype, device=self.device)
             for i, s in enumerate(rows):
@@ -185,7 +185,7 @@ class CachedDraft(Proposer):
                        draft_len.unsqueeze(1) + torch.arange(D + 1, device=self.device))
         for s, p in zip(rows, pending):
             s.draft.length += len(p)
-        return Proposal(out["tree_tokens"], out.get("draft_probs"), out.get("parents"))
+        return Proposal(out["tree_tokens"], out.get("parents"))
 
 
 @register

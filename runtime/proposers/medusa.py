@@ -18,7 +18,6 @@ from specair.runtime.proposers.base import LastHiddenHead, Proposal, Step, regis
 @register
 class Medusa(LastHiddenHead):
     method = "medusa"
-    sampled = False  # candidates are the heads' top-k: deterministic
     shipped = "medusa"
     lookahead_key = "medusa_num_heads"
 

@@ -43,10 +43,10 @@ class MLPSpeculatorProposer(LastHiddenHead):
         inputs = {"hidden": cat.zeros(B, cat.hidden_size, dtype=cat.target.dtype), "root": cat.zeros(B),
                   **cat.sampling(B), "uniforms": cat.uniforms(B, k)}
         return GraphSpec(mlp_speculator_chain, {"draft": self.draft},
-                         {"k": k, "filtered": key.variant == "filtered"}, inputs, ["tree_tokens", "draft_probs"])
+                         {"k": k, "filtered": key.variant == "filtered"}, inputs, ["tree_tokens"])
 
     def propose(self, step: Step) -> Proposal:
         key = self.draft_key(step.B, step.ctx, step.variant, step.shape)
         out = self.graphs(key, hidden=self.hidden(step), root=step.root,
-                          **step.sampling, uniforms=step.uniforms(step.tree.depth))
-        return Proposal(out["tree_tokens"], out["draft_probs"])
+                          **step.sampling, uniforms=step.uniforms)
+        return Proposal(out["tree_tokens"])

@@ -52,7 +52,6 @@ class NgramIndex:
 @register
 class Ngram(Proposer):
     method = "ngram"
-    sampled = False
     native = "ngram"
 
     @classmethod
