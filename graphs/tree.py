@@ -82,8 +82,9 @@ class TreeTemplate:
 
         if torch.compiler.is_dynamo_compiling():  # Dynamo treats the cached buffers as constants
             return _build_buffers(self.parents, self.ranks)
-        # A first call under (non-strict) torch.export tracing would otherwise cache fake tensors for everyone.
-        with unset_fake_temporarily():
+        # A first call under (non-strict) torch.export tracing would otherwise cache fake tensors for everyone,
+        # and one under inference_mode inference tensors that autograd (head training) cannot save.
+        with unset_fake_temporarily(), torch.inference_mode(False):
             return _build_buffers(self.parents, self.ranks)
 
 
