@@ -127,6 +127,22 @@ class Engine:
     def rows(self) -> list[Seq]:
         return self.sched.rows
 
+    def limit_kv_memory(self, budget: int | None) -> None:
+        """Admit a waiting request only while the KV caches (every role, the prefill scratch included) would fit
+        in `budget` bytes with it and every running request at its longest, prompt plus max_tokens (vLLM's
+        kv_cache_memory_bytes); a request that cannot fit even alone is refused at `add_request`. None: no
+        budget, the batch buckets alone bound admission."""
+        if budget is not None and budget <= 0:
+            raise InputError(f"the KV cache budget must be a positive number of bytes, got {budget}")
+        per_slot, kv = self.kv.nbytes()[1], self.kv
+
+        def kv_bytes(seqs: list[Seq]) -> int:
+            B = self.plan.batch_bucket(len(seqs))
+            longest = max(len(s.prompt) + s.budget for s in seqs)
+            return (B * kv.cap_for(longest) + kv.cap_for(max(len(s.prompt) for s in seqs))) * per_slot
+
+        self.sched.kv_bytes, self.sched.kv_budget = kv_bytes, budget
+
     def kv_usage(self) -> tuple[int, int]:
         """(bytes of KV the running sequences' committed tokens use, bytes the KV caches hold)."""
         held, per_slot = self.kv.nbytes()

@@ -42,7 +42,7 @@ class KVSlots:
         self.B = 0
         self.cap = 0  # slots per row of the current caches
         with torch.inference_mode():  # like every graph input: compiled graphs guard on the tensor kind
-            self.scratch_cap = self._cap(1)
+            self.scratch_cap = self.cap_for(1)
             self.scratch = {r: m.empty_cache(1, self.scratch_cap, device) for r, m in models.items()}
             self.caches: dict[str, Caches | None] = {r: None for r in models}
             self._pool: dict[tuple[str, int], Caches] = {}
@@ -76,7 +76,7 @@ class KVSlots:
             return
         commit_kv(*(self.scratch[role] if scratch else self.caches[role]), new_k, new_v, slots)
 
-    def _cap(self, context: int) -> int:
+    def cap_for(self, context: int) -> int:
         """Slots per row for `context` committed tokens: their context bucket (what graphs read) plus the spare
         slots a step commits past it."""
         plan = self.plan
@@ -88,8 +88,8 @@ class KVSlots:
         """Hold `rows` rows (the smallest batch bucket holding them) with room for `context` committed tokens,
         keeping the first min(rows, B) rows' `used` slots. Memory is reallocated only when the bucket or the
         slot count changes (the slot count shrinks once the work fits in half of it)."""
-        B, cap = self.plan.batch_bucket(max(rows, 1)), self._cap(context)
-        cap = max(cap, self._cap(used))
+        B, cap = self.plan.batch_bucket(max(rows, 1)), self.cap_for(context)
+        cap = max(cap, self.cap_for(used))
         if B == self.B and self.cap >= cap and not (self.any_length and self.cap >= 2 * cap):
             return
         keep, used = min(rows, B, self.B), min(used, cap, self.cap)
@@ -107,7 +107,7 @@ class KVSlots:
 
     def fit_scratch(self, start: int) -> None:
         """Size the prefill scratch for a chunk after `start` prompt tokens, keeping those."""
-        cap, used = self._cap(start), start
+        cap, used = self.cap_for(start), start
         if not self.any_length or self.scratch_cap == cap:
             return
         for role, m in self.models.items():

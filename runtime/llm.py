@@ -28,11 +28,16 @@ class LLM:
                  max_context: int | None = None, batch_buckets: tuple[int, ...] = (1, 2, 4, 8),
                  threads: int | None = None, max_waiting: int = 64, quantize: str | None = None,
                  device: str | None = None, features: tuple[int, ...] | None = None,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, kv_cache_memory_bytes: int | None = None) -> None:
         self.engine: Engine = open_engine(model, dtype, speculative_config, None if artifacts else backend,
                                           artifacts, max_context, threads, tuple(batch_buckets), max_waiting,
                                           quantize=quantize, device=device, features=features,
                                           tensor_parallel_size=tensor_parallel_size)
+        try:
+            self.engine.limit_kv_memory(kv_cache_memory_bytes)
+        except InputError:
+            self.engine.close()
+            raise
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from specair.compile.plan import Plan
 from specair.models.errors import InputError, SpecairError
@@ -61,6 +61,9 @@ class Scheduler:
         self.waiting: deque[Seq] = deque()
         self.prefilling: Seq | None = None
         self.rows: list[Seq] = []
+        # The most bytes the KV caches hold while these sequences run, each to its longest (set with a budget).
+        self.kv_bytes: Callable[[list[Seq]], int] | None = None
+        self.kv_budget: int | None = None
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
         """The prompt as a list of ids; InputError if it is empty, outside the vocabulary or too long."""
@@ -82,6 +85,11 @@ class Scheduler:
             raise InputError(f"params must be SamplingParams, got {type(params).__name__}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         s = self.make_seq(rid, ids, params)
+        if self.kv_budget is not None and (need := self.kv_bytes([s])) > self.kv_budget:
+            raise InputError(f"this request can grow to {len(ids) + s.budget} tokens, whose KV cache takes "
+                             f"{need / 2**20:.0f} MiB, more than the KV cache budget of "
+                             f"{self.kv_budget / 2**20:.0f} MiB; ask for fewer tokens or raise "
+                             f"--kv-cache-memory-bytes")
         with self._lock:
             if len(self._inbox) + len(self.waiting) >= self.max_waiting + max(0, self.num_slots - self.num_running):
                 raise QueueFullError(f"{self.max_waiting} requests are already waiting; try again later")
@@ -116,8 +124,10 @@ class Scheduler:
         return aborts
 
     def next_prefill(self) -> Seq | None:
-        """The request to prefill: the one in progress, else the next waiting one if a row is free."""
-        if self.prefilling is None and self.waiting and len(self.rows) < self.num_slots:
+        """The request to prefill: the one in progress, else the next waiting one if a row is free (and, with a
+        KV budget, if the caches still fit it with every running request at its longest)."""
+        if self.prefilling is None and self.waiting and len(self.rows) < self.num_slots and (
+                self.kv_budget is None or self.kv_bytes([*self.rows, self.waiting[0]]) <= self.kv_budget):
             self.prefilling = self.waiting.popleft()
         return self.prefilling
 

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import sys
 import threading
 import time
@@ -561,6 +562,22 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
+_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _size(text: str) -> int:
+    """Bytes from "4294967296", "4G", "4GiB", "4GB" or "1.5G" (K, M, G, T are powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m or float(m[1]) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size such as 4G or 512M, got {text!r}")
+    return int(float(m[1]) * _SIZE_UNITS[m[2].upper()])
+
+
+def _buckets_up_to(n: int) -> tuple[int, ...]:
+    """Batch buckets for at most n sequences: the powers of two below n, then n."""
+    return tuple(sorted({2**i for i in range(n.bit_length()) if 2**i < n} | {n}))
+
+
 def add_serve_parser(subparsers: Any) -> None:
     """Register `specair serve` on the CLI's subparsers."""
     from specair.runtime.build import DTYPES
@@ -581,8 +598,13 @@ def add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--max-context", type=int, help="tokens of context per sequence (default: the model's)")
     p.add_argument("--threads", type=int, help="CPU threads for torch and onnxruntime")
-    p.add_argument("--batch-buckets", type=_int_list, default=(1, 2, 4, 8), metavar="1,2,4,8",
+    p.add_argument("--batch-buckets", type=_int_list, metavar="1,2,4,8",
                    help="batch buckets; the largest is the number of concurrent sequences (default 1,2,4,8)")
+    p.add_argument("--max-num-seqs", type=int, metavar="N",
+                   help="most sequences running at once (vLLM's name): batch buckets 1, 2, 4, ... below N, then N")
+    p.add_argument("--kv-cache-memory-bytes", type=_size, metavar="SIZE",
+                   help="KV cache budget, e.g. 2G: a request starts only while the caches fit it with every running "
+                        "request at its longest (prompt + max_tokens); default: no budget")
     p.add_argument("--max-waiting", type=int, default=64, metavar="N",
                    help="requests queued beyond the running ones before answering 429 (default 64)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -600,14 +622,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_waiting < 0:
         raise InputError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    buckets = args.batch_buckets or (1, 2, 4, 8)
+    if args.max_num_seqs is not None:
+        if args.max_num_seqs < 1:
+            raise InputError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+        if args.batch_buckets and max(args.batch_buckets) != args.max_num_seqs:
+            raise InputError(f"--max-num-seqs {args.max_num_seqs} disagrees with --batch-buckets "
+                             f"{','.join(map(str, args.batch_buckets))}, whose largest is the number of sequences")
+        buckets = args.batch_buckets or _buckets_up_to(args.max_num_seqs)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     extra = {"backend": args.backend} if args.backend else {}
     if args.quantize:
         extra["quantize"] = args.quantize
     llm = LLM(args.model, args.speculative_config, artifacts=args.artifacts, dtype=args.dtype,
-              max_context=args.max_context, batch_buckets=args.batch_buckets, threads=args.threads,
-              max_waiting=args.max_waiting, device=args.device, tensor_parallel_size=args.tensor_parallel_size, **extra)
-    app = build_app(llm.engine, served_model_name=args.served_model_name, batch_buckets=args.batch_buckets,
+              max_context=args.max_context, batch_buckets=buckets, threads=args.threads,
+              max_waiting=args.max_waiting, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, **extra)
+    app = build_app(llm.engine, served_model_name=args.served_model_name, batch_buckets=buckets,
                     model_root=args.model)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("binding %s: the server has no authentication, so anyone who can reach this address can "

@@ -359,3 +359,25 @@ def test_kv_memory_follows_the_context_in_use(tiny64):
     assert after <= short  # idle: only the (shrunk) prefill scratch
     peak, after = held_while([[5, 6, 7]], [10])
     assert peak <= 2 * short and after <= short  # one short row and the scratch, then the scratch
+
+
+def test_a_kv_budget_decides_admission(tiny64, alone):
+    """With a KV budget, a waiting request starts only while the caches fit it and every running request at
+    its longest; one that cannot fit even alone is refused up front, and the others' outputs are unchanged."""
+    engine = engine_from_models(tiny64[0], max_context=512, prefill_chunk=16, batch_buckets=(1, 2, 4))
+    per_slot, cap = engine.kv.nbytes()[1], engine.kv.cap_for
+    # Room for two rows (bucket 2) of the longest request, and the scratch: never three running.
+    longest = max(len(p) + m for p, m in zip(PROMPTS, BUDGETS))
+    engine.limit_kv_memory((2 * cap(longest) + cap(max(map(len, PROMPTS)))) * per_slot)
+    rids = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(PROMPTS, BUDGETS)]
+    with pytest.raises(InputError, match="KV cache budget"):
+        engine.add_request(list(range(1, 40)), SamplingParams(max_tokens=400))
+    out, most = {}, 0
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.result is not None:
+                out[ev.request_id] = ev.result.token_ids
+        most = max(most, len(engine.rows))
+    assert most == 2 and [out[r] for r in rids] == alone
+    with pytest.raises(InputError, match="positive"):
+        engine.limit_kv_memory(0)

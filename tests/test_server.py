@@ -52,7 +52,8 @@ def url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "specair.runtime.cli", "serve", "--model", str(tiny_dir), "--port", str(port),
-           "--speculative-config", json.dumps(SPEC), "--batch-buckets", "1,2,4", "--max-waiting", str(MAX_WAITING),
+           "--speculative-config", json.dumps(SPEC), "--max-num-seqs", "4", "--kv-cache-memory-bytes", "256M",
+           "--max-waiting", str(MAX_WAITING),
            "--max-context", str(MAX_CONTEXT), "--dtype", "fp64", "--served-model-name", MODEL, "--threads", "1",
            "--log-level", "warning"]
     with open(log, "wb") as out:
@@ -550,3 +551,16 @@ def test_engine_failing_step_after_step_is_declared_dead(faulty: Any) -> None:
     assert_openai_error(httpx.get(url + "/health"), 503)
     assert assert_openai_error(post(url, "/v1/completions", {"prompt": "anyone?", "max_tokens": 2}), 503)["code"] \
         == "engine_dead"
+
+
+def test_serving_limits_are_checked_before_loading(tiny_dir: Path) -> None:
+    """--max-num-seqs must agree with --batch-buckets, and a KV budget is a size: each refused with a message,
+    exit code 2, before any model loads."""
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "specair.runtime.cli", "serve", "--model", str(tiny_dir), *args],
+                              capture_output=True, text=True, timeout=120)
+
+    r = serve("--max-num-seqs", "4", "--batch-buckets", "1,2,8")
+    assert r.returncode == 2 and "--max-num-seqs 4 disagrees with --batch-buckets 1,2,8" in r.stderr
+    r = serve("--kv-cache-memory-bytes", "lots")
+    assert r.returncode == 2 and "expected a positive size such as 4G" in r.stderr
