@@ -24,6 +24,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -197,6 +198,13 @@ def _fuzz(url: str, out: Path, seconds: float, timeout: float) -> subprocess.Pop
                             stdout=log, stderr=subprocess.STDOUT)
 
 
+def _fuzz_verdict(rc: int | None, cut: bool, log: Path) -> dict[str, Any]:
+    """schemathesis' exit code (0: no check failed), whether the soak had to interrupt it, and whether its
+    log reports a server error."""
+    text = log.read_text(errors="replace")
+    return {"exit_code": rc, "interrupted": cut, "server_error_reported": "Server error" in text, "log": str(log)}
+
+
 def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     import httpx  # the dev extra's client; only the soak needs it
 
@@ -239,19 +247,25 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                         soak.hung.add(n)
 
         threading.Thread(target=sample, daemon=True).start()
-        fuzz = _fuzz(url, out, args.minutes * 60, args.hang_s) if args.fuzz else None
+        fuzz = _fuzz(url, out, max(args.minutes * 60 - 60, 30), args.hang_s) if args.fuzz else None
         clients = [threading.Thread(target=soak.client, args=(n, until)) for n in range(args.clients)]
         print(f"soak: {args.clients} clients for {args.minutes} min", file=sys.stderr, flush=True)
         for c in clients:
             c.start()
         for c in clients:
             c.join()
-        fuzz_rc = None
+        fuzz_rc, fuzz_cut = None, False
         if fuzz is not None:
-            try:
-                fuzz_rc = fuzz.wait(120)
-            except subprocess.TimeoutExpired:
-                fuzz.kill()
+            # A fuzzed request may still be generating; an interrupted schemathesis still reports what it found.
+            for sig, wait in ((None, 60), (signal.SIGINT, 60), (signal.SIGKILL, 10)):
+                if sig is not None:
+                    fuzz.send_signal(sig)
+                    fuzz_cut = True
+                try:
+                    fuzz_rc = fuzz.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
         stop.set()
         alive = server.poll() is None and httpx.get(f"{url}/health").status_code == 200
     finally:
@@ -266,8 +280,8 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         "requests": dict(soak.counts), "hung_clients": len(soak.hung), "server_alive": alive,
         "latency_s": {"p50": lat[len(lat) // 2] if lat else None,
                       "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None},
-        "schemathesis": None if not args.fuzz else ("not installed" if fuzz is None else
-                                                    {"exit_code": fuzz_rc, "log": str(out / "schemathesis.log")}),
+        "schemathesis": None if not args.fuzz else ("not installed" if fuzz is None else _fuzz_verdict(
+            fuzz_rc, fuzz_cut, out / "schemathesis.log")),
         "memory_mb": {"idle": idle, "peak": max((m for _, m in memory), default=idle),
                       "after_first_minute": [min(after_first, default=idle), max(after_first, default=idle)],
                       "series": memory},

@@ -5,9 +5,9 @@ Shared inputs: tree_tokens [B, T] (node 0 = root = last accepted token), target_
 buffers per row: children [B, T, W] / paths [B, T, D+1] (static templates expand theirs to B).
 Sampling parameters are per-row tensors [B]; randomness comes in as uniforms. Rows are independent.
 
-Every method walks the same way: the target decides a token at each node (its argmax, or its sample), and
-the longest root path whose every token is what the target decided at its parent is accepted, followed
-by the target's token at the last accepted node. With `accept_exact` the target's token at depth d is
+Every method accepts the longest root path of acceptable nodes, then the target's token at its last
+node. Greedy and exact acceptance let the target decide a token at each node (its argmax, or its sample)
+and accept a node holding what its parent decided. With `accept_exact` the target's token at depth d is
 drawn from the uniform of position root + d + 1, so the result is the token plain decoding would have
 sampled at every position: speculation changes how many passes that takes, never what comes out.
 """
