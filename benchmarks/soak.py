@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -194,15 +195,19 @@ def _fuzz(url: str, out: Path, seconds: float, timeout: float) -> subprocess.Pop
     log = open(out / "schemathesis.log", "w")
     return subprocess.Popen([st, "run", f"{url}/openapi.json", "--checks", "not_a_server_error",
                              "--max-time", str(int(seconds)), "--workers", "1", "--max-examples", "100000",
-                             "--request-timeout", str(int(timeout))],
+                             "--request-timeout", str(int(timeout)), "--report", "ndjson",
+                             "--report-ndjson-path", str(out / "schemathesis.ndjson")],
                             stdout=log, stderr=subprocess.STDOUT)
 
 
 def _fuzz_verdict(rc: int | None, cut: bool, log: Path) -> dict[str, Any]:
-    """schemathesis' exit code (0: no check failed), whether the soak had to interrupt it, and whether its
-    log reports a server error."""
-    text = log.read_text(errors="replace")
-    return {"exit_code": rc, "interrupted": cut, "server_error_reported": "Server error" in text, "log": str(log)}
+    """schemathesis' exit code (0: no check failed), whether the soak had to interrupt it, and the responses
+    its event stream recorded (written as they come, so an interrupted run's count too) with how many were 5xx."""
+    events = log.with_suffix(".ndjson")
+    text = events.read_text(errors="replace") if events.exists() else ""
+    codes = [int(c) for c in re.findall(r'"status_code":\s*(\d{3})', text)]
+    return {"exit_code": rc, "interrupted": cut, "responses": len(codes), "5xx": sum(c >= 500 for c in codes),
+            "server_error_in_log": "Server error" in log.read_text(errors="replace"), "log": str(log)}
 
 
 def run_soak(args: argparse.Namespace) -> dict[str, Any]:
