@@ -52,8 +52,10 @@ class BatchState:
         self.positions[:B] += active * num_new
 
     def uniforms(self, rows: list[Seq], B: int, n: int | None = None) -> Tensor:
-        """The uniforms of the next n positions of each running row [B, n] ([B] when n is None), zeros after."""
+        """The uniforms of the next n positions of each running row [B, n] ([B] when n is None); zeros for
+        greedy rows (argmax reads none) and after the running rows."""
         u = torch.zeros(B, n or 1, dtype=self.udtype)
         for i, s in enumerate(rows):
-            u[i] = s.req.uniforms(len(s.seq), n or 1)
+            if not s.req.greedy:
+                u[i] = s.req.uniforms(len(s.seq), n or 1)
         return (u if n else u[:, 0]).to(self.device, non_blocking=True)

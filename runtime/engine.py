@@ -210,8 +210,7 @@ class Engine:
         s = self.sched.next_prefill()
         new = None
         if s is not None and waiting and self.group is not None:
-            params = s.params if s.params.seed is not None else replace(s.params, seed=s.req.seed)
-            new = (s.request_id, s.prompt, params)
+            new = (s.request_id, s.prompt, replace(s.params, seed=s.req.seed))
         return StepMeta(
             rows=tuple(x.request_id for x in rows), aborts=aborts, new=new, prefill=s is not None, shape=shape,
             variant=variant, chosen=chosen, num_lookahead_slots=0 if shape is None else self.plan.trees[shape].depth,

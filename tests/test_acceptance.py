@@ -84,12 +84,19 @@ def reference_longest_path(ok, parents):
     return best
 
 
+BRANCHY = from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]])
+
+
+def random_branchy(B=200, V=3, seed=1):
+    """BRANCHY's buffers, random tokens [B, T], logits [B, T, V] and the generator that drew them."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (B, BRANCHY.num_nodes), generator=g)
+    return BRANCHY.buffers(), tokens, torch.randn(B, BRANCHY.num_nodes, V, generator=g), g
+
+
 def test_greedy_matches_reference_on_random_trees():
-    t = from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]])
-    b, B, V = t.buffers(), 200, 3
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, V, (B, t.num_nodes), generator=g)
-    logits = torch.randn(B, t.num_nodes, V, generator=g)
+    t, B = BRANCHY, 200
+    b, tokens, logits, _ = random_branchy(B)
     r = accept_greedy(tokens, logits, expand(b.paths, B))
     am = logits.argmax(-1)
     for row in range(B):
@@ -155,12 +162,9 @@ def test_exact_emits_plain_decodings_sample_at_every_position(tree, setting):
 
 
 def test_exact_at_temperature_zero_is_greedy():
-    tree = from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]])
-    b, B, V = tree.buffers(), 200, 3
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, V, (B, tree.num_nodes), generator=g)
-    logits = torch.randn(B, tree.num_nodes, V, generator=g)
-    u = torch.rand(B, tree.max_depth + 1, generator=g)
+    B = 200
+    b, tokens, logits, g = random_branchy(B)
+    u = torch.rand(B, BRANCHY.max_depth + 1, generator=g)
     got = accept_exact(tokens, logits, expand(b.paths, B), u, *params(B, 0.0, dtype=torch.float32))
     for x, y in zip(got, accept_greedy(tokens, logits, expand(b.paths, B))):
         assert torch.equal(x, y)
@@ -263,7 +267,7 @@ def test_typical_hand_computed_thresholds():
 
 
 def test_typical_temperature_zero_is_greedy_and_matches_reference():
-    t = from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]])
+    t = BRANCHY
     b, B, V = t.buffers(), 200, 5
     g = torch.Generator().manual_seed(4)
     tokens = torch.randint(0, V, (B, t.num_nodes), generator=g)
