@@ -264,11 +264,12 @@ struct Runner::Impl {
     return at::tensor(u, at::TensorOptions().dtype(at::kDouble)).to(udtype);
   }
 
-  // The uniforms of each running row's next n positions [B, n] (n = 0: [B]), zeros after.
+  // The uniforms of each running row's next n positions [B, n] (n = 0: [B]); zeros for greedy rows (argmax
+  // reads none) and after the running rows.
   at::Tensor uniforms(int64_t n) const {
     at::Tensor all = at::zeros({B, std::max<int64_t>(n, 1)}, at::TensorOptions().dtype(udtype));
     for (size_t i = 0; i < rows.size(); ++i)
-      all[i].copy_(uniforms_at(*rows[i], static_cast<int64_t>(rows[i]->seq.size()), std::max<int64_t>(n, 1)));
+      if (rows[i]->variant != "greedy") all[i].copy_(uniforms_at(*rows[i], static_cast<int64_t>(rows[i]->seq.size()), std::max<int64_t>(n, 1)));
     return n ? all : all.select(1, 0);
   }
 
