@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from specair.models import memory
 from specair.models.config import ModelConfig
 from specair.models.errors import ModelFormatError
 from specair.models.llama import AttentionInputs, Block, ModelOutput, Transformer, vocab_logits
@@ -83,11 +84,10 @@ class DraftHead(nn.Module):
         return ModelOutput(self.logits(picked), hidden, k.unsqueeze(0), v.unsqueeze(0))
 
     def empty_cache(self, batch: int, slots: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-        """A zeroed K and V cache [1, batch, Hkv, slots, D] in the head's dtype."""
+        """A zeroed K and V cache [1, batch, Hkv, slots, D] in the head's dtype (on the CPU committed on write)."""
         c = self.config
         shape = (1, batch, c.num_kv_heads, slots, c.head_dim)
-        return (torch.zeros(shape, dtype=self.dtype, device=device),
-                torch.zeros(shape, dtype=self.dtype, device=device))
+        return memory.zeros(shape, self.dtype, device), memory.zeros(shape, self.dtype, device)
 
 
 class EagleHead(DraftHead):

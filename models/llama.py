@@ -19,6 +19,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specair.models import memory
 from specair.models.config import ModelConfig
 from specair.models.errors import ModelFormatError
 
@@ -355,11 +356,10 @@ class Transformer(nn.Module):
         return torch.where(allowed, zero, neg)[:, None, None]
 
     def empty_cache(self, batch: int, slots: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-        """A zeroed K and V cache [L, batch, Hkv, slots, D] in the model's dtype."""
+        """A zeroed K and V cache [L, batch, Hkv, slots, D] in the model's dtype (on the CPU committed on write)."""
         c = self.config  # under tensor parallelism, this rank's KV heads
         shape = (c.num_layers, batch, c.num_kv_heads, slots, c.head_dim)
-        return (torch.zeros(shape, dtype=self.dtype, device=device),
-                torch.zeros(shape, dtype=self.dtype, device=device))
+        return memory.zeros(shape, self.dtype, device), memory.zeros(shape, self.dtype, device)
 
 
 def build_model(config: ModelConfig, state_dict: dict[str, Tensor],

@@ -134,19 +134,15 @@ class Engine:
         budget, the batch buckets alone bound admission."""
         if budget is not None and budget <= 0:
             raise InputError(f"the KV cache budget must be a positive number of bytes, got {budget}")
-        per_slot, kv = self.kv.nbytes()[1], self.kv
 
         def kv_bytes(seqs: list[Seq]) -> int:
-            B = self.plan.batch_bucket(len(seqs))
-            longest = max(len(s.prompt) + s.budget for s in seqs)
-            return (B * kv.cap_for(longest) + kv.cap_for(max(len(s.prompt) for s in seqs))) * per_slot
+            return self.kv.bytes_for([len(s.prompt) + s.budget for s in seqs], max(len(s.prompt) for s in seqs))
 
         self.sched.kv_bytes, self.sched.kv_budget = kv_bytes, budget
 
     def kv_usage(self) -> tuple[int, int]:
         """(bytes of KV the running sequences' committed tokens use, bytes the KV caches hold)."""
-        held, per_slot = self.kv.nbytes()
-        return sum(s.committed for s in list(self.rows)) * per_slot, held
+        return sum(s.committed for s in list(self.rows)) * self.kv.slot_bytes, self.kv.held_bytes()
 
     @property
     def num_running(self) -> int:
@@ -256,7 +252,7 @@ class Engine:
 
     def _insert_row(self, s: Seq) -> None:
         row = len(self.rows)
-        self.kv.resize(row + 1, max((len(x.seq) for x in self.rows), default=0),
+        self.kv.resize(row + 1, [len(x.seq) for x in self.rows],
                        max([s.committed] + [x.committed for x in self.rows]))
         self.rows.append(s)
         self.kv.insert(row, s.committed)
@@ -269,10 +265,11 @@ class Engine:
             self.kv.move(last, i, len(rows[last].seq))
             self.state.move_row(last, i)
             rows[i] = rows[last]
+        self.kv.free(last)
         rows.pop()
         self.state.clear_row(last)
         if rows:
-            self.kv.resize(len(rows), max(len(s.seq) for s in rows), max(s.committed for s in rows))
+            self.kv.resize(len(rows), [len(s.seq) for s in rows], max(s.committed for s in rows))
         elif self.sched.prefilling is None:
             self.kv.release()
 
@@ -320,7 +317,7 @@ class Engine:
 
     def _decode(self, meta: StepMeta) -> list[StreamEvent]:
         rows = self.rows  # room for the context the rows reached in the last step
-        self.kv.resize(len(rows), max(len(s.seq) for s in rows), max(s.committed for s in rows))
+        self.kv.resize(len(rows), [len(s.seq) for s in rows], max(s.committed for s in rows))
         B = self.kv.B
         self.bucket_steps[B] += 1
         shape, variant = meta.shape, meta.variant

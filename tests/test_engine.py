@@ -1,6 +1,8 @@
 """The engine: continuous batching over slots gives, under greedy, exactly what each request gives alone, for
 every proposer kind, bucket and scorer; requests come and go; bad input is refused and loses nothing."""
 
+import itertools
+
 import pytest
 import torch
 from helpers import save_tiny
@@ -332,13 +334,39 @@ def test_a_raising_sequence_fails_alone(tiny64, alone, name):
     assert not engine.rows and engine.sched.prefilling is None
 
 
-def test_kv_memory_follows_the_context_in_use(tiny64):
-    """Eager graphs take caches of any length: each row holds the context bucket of the longest running
-    sequence plus the spare slots, so short requests never hold the plan's maximum context, a long one
-    grows the caches, and they shrink back once it leaves."""
-    engine = engine_from_models(tiny64[0], max_context=512, prefill_chunk=16, batch_buckets=(1, 2, 4))
-    plan, (_, per_slot) = engine.plan, engine.kv.nbytes()
-    assert plan.ctx_buckets[0] == 64 and plan.slots == 512 + plan.spare_slots
+def test_cache_pages_are_committed_on_write_and_given_back():
+    """A CPU cache reads as zeros and holds no memory until written; `release` gives back a row's whole pages
+    from a slot on (they read as zeros again) and leaves every other slot as it was."""
+    from specair.models import memory
+
+    page_slots = memory.PAGE // (64 * 4)
+    k = memory.zeros((3, 4, 2, 64 * page_slots, 64), torch.float32)
+    assert memory.resident_bytes([k]) == 0 and k[:, :, :, -page_slots:].abs().sum() == 0  # read, not held
+    k[:, :, :, :5 * page_slots] = 1.0
+    assert memory.resident_bytes([k]) == 3 * 4 * 2 * 5 * memory.PAGE
+    memory.release(k, 2, 2 * page_slots + 1)  # pages 3 and 4 of each run of row 2; page 2 is partly kept
+    assert memory.resident_bytes([k]) == (3 * 4 * 2 * 5 - 3 * 2 * 2) * memory.PAGE
+    assert (k[:, 2, :, :3 * page_slots] == 1).all() and (k[:, 2, :, 3 * page_slots:] == 0).all()
+    assert (k[:, [0, 1, 3], :, :5 * page_slots] == 1).all()
+    for row in range(4):
+        memory.release(k, row)
+    assert memory.resident_bytes([k]) == 0 and k.abs().sum() == 0
+
+
+@pytest.mark.parametrize("backend", ["eager", "onnx"])
+def test_kv_memory_follows_the_context_in_use(tmp_path, backend):
+    """On the CPU the caches have the plan's full context, the fixed shape compiled graphs take, but hold
+    memory only for the slots written (pages committed on write, measured in /proc/self/smaps): short
+    requests hold a sliver of the maximum context, a long one grows with what it uses, and a finished row, the
+    prefill scratch and an idle engine give theirs back."""
+    save_tiny("llama", tmp_path, num_hidden_layers=2, max_position_embeddings=4096)
+    ckpt = load_checkpoint(tmp_path, progress=False)
+    target = build_model(ckpt.config, ckpt.state_dict, torch.float32)
+    engine = engine_from_models(target, max_context=4096, prefill_chunk=16, batch_buckets=(1, 2, 4),
+                                backend=backend, variants=("greedy",))
+    plan, kv = engine.plan, engine.kv
+    assert kv.on_demand and plan.slots == 4096 + plan.spare_slots
+    full_row = plan.slots * kv.slot_bytes
 
     def held_while(prompts, budgets):
         peak = 0
@@ -351,24 +379,33 @@ def test_kv_memory_follows_the_context_in_use(tiny64):
             peak = max(peak, held)
         return peak, engine.kv_usage()[1]
 
-    short = (64 + plan.spare_slots) * per_slot
-    peak, _ = held_while(PROMPTS[:4], [20, 20, 20, 20])  # contexts under 64 tokens, up to 4 rows
-    assert peak <= 5 * short  # four rows and the prefill scratch, at 64 slots (plus spare) each
-    peak, after = held_while([list(range(3, 40))], [300])  # grows past three context buckets
-    assert peak >= (512 + plan.spare_slots) * per_slot  # the row and the scratch it was prefilled in
-    assert after <= short  # idle: only the (shrunk) prefill scratch
-    peak, after = held_while([[5, 6, 7]], [10])
-    assert peak <= 2 * short and after <= short  # one short row and the scratch, then the scratch
+    peak, after = held_while(PROMPTS[:4], [20, 20, 20, 20])  # contexts under 64 tokens, up to 4 rows
+    assert peak <= 5 * full_row // 16  # four rows and the prefill scratch, a 16th of their full size
+    assert after == 0  # idle: nothing resident
+    peak, after = held_while([list(range(3, 40))], [400])  # a row of over 400 tokens
+    assert 400 * kv.slot_bytes <= peak <= 2 * 500 * kv.slot_bytes  # the row and no more than its scratch
+    assert after == 0
+    # A row that finishes gives its memory back while the other runs on.
+    engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=300, ignore_eos=True))
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True))
+    while len(engine.rows) < 2:
+        engine.step()
+    while len(engine.rows) == 2:
+        engine.step()
+    assert engine.kv_usage()[1] <= 400 * kv.slot_bytes  # one row of about 340 tokens, not two
+    while engine.has_unfinished():
+        engine.step()
 
 
 def test_a_kv_budget_decides_admission(tiny64, alone):
     """With a KV budget, a waiting request starts only while the caches fit it and every running request at
     its longest; one that cannot fit even alone is refused up front, and the others' outputs are unchanged."""
     engine = engine_from_models(tiny64[0], max_context=512, prefill_chunk=16, batch_buckets=(1, 2, 4))
-    per_slot, cap = engine.kv.nbytes()[1], engine.kv.cap_for
-    # Room for two rows (bucket 2) of the longest request, and the scratch: never three running.
-    longest = max(len(p) + m for p, m in zip(PROMPTS, BUDGETS))
-    engine.limit_kv_memory((2 * cap(longest) + cap(max(map(len, PROMPTS)))) * per_slot)
+    # Room for any two requests at their longest (bucket 2) and the scratch, but for no three.
+    longest, prompt = [len(p) + m for p, m in zip(PROMPTS, BUDGETS)], max(map(len, PROMPTS))
+    budget = max(engine.kv.bytes_for(pair, prompt) for pair in itertools.combinations(longest, 2))
+    assert min(engine.kv.bytes_for(three, prompt) for three in itertools.combinations(longest, 3)) > budget
+    engine.limit_kv_memory(budget)
     rids = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(PROMPTS, BUDGETS)]
     with pytest.raises(InputError, match="KV cache budget"):
         engine.add_request(list(range(1, 40)), SamplingParams(max_tokens=400))

@@ -189,7 +189,16 @@ def test_models_health_and_metric_names(url: str) -> None:
         assert f"specair:{hist}_count" in names, hist
     assert {"specair:num_requests_running", "specair:num_requests_waiting", "specair:kv_cache_bytes",
             "specair:kv_cache_usage_perc"} <= names
-    assert metric(m, "specair:kv_cache_bytes") > 0 and 0 <= metric(m, "specair:kv_cache_usage_perc") <= 1
+    assert 0 <= metric(m, "specair:kv_cache_usage_perc") <= 1
+    # The KV gauge reads the caches' resident memory: some while a request decodes, none once it is gone.
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "Hold on", "max_tokens": 200,
+                                                              "ignore_eos": True, "stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        m = scrape(url)
+        assert metric(m, "specair:kv_cache_bytes") > 0 and 0 < metric(m, "specair:kv_cache_usage_perc") <= 1
+    wait_for(url, lambda m: metric(m, "specair:num_requests_running") == 0)
+    assert metric(scrape(url), "specair:kv_cache_bytes") == 0
     positions = {dict(lab)["position"] for name, lab in m if name == "specair:spec_decode_num_accepted_tokens_per_pos_total"}
     assert positions == {"0", "1", "2"}
     buckets = {dict(lab)["bucket"] for name, lab in m if name == "specair:batch_bucket_steps_total"}

@@ -11,6 +11,9 @@
 #include <sstream>
 #include <unordered_map>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "runner.h"
 
 namespace specair {
@@ -66,6 +69,43 @@ void commit(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& new_k, c
   at::Tensor rows = at::arange(B, slots.options()).view({B, 1}).expand({B, T});
   k_cache.permute({1, 3, 0, 2, 4}).index_put_({rows, slots}, new_k.permute({1, 3, 0, 2, 4}));
   v_cache.permute({1, 3, 0, 2, 4}).index_put_({rows, slots}, new_v.permute({1, 3, 0, 2, 4}));
+}
+
+// models/memory.py zeros: an anonymous mapping, whose pages are committed on first write, so a cache of the
+// full context holds memory only for the slots written to it.
+at::Tensor on_demand_zeros(at::IntArrayRef shape, at::ScalarType dtype) {
+  size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  size_t bytes = static_cast<size_t>(c10::multiply_integers(shape)) * c10::elementSize(dtype);
+  if (bytes < page) return at::zeros(shape, at::TensorOptions().dtype(dtype));
+  size_t span = (bytes + page - 1) / page * page;
+  void* base = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED)
+    throw std::runtime_error("cannot map " + std::to_string(span) + " bytes for a KV cache");
+#ifdef MADV_NOHUGEPAGE
+  madvise(base, span, MADV_NOHUGEPAGE);  // one huge page would cover a whole layer's slots of a row
+#endif
+  return at::from_blob(base, shape, [span](void* p) { munmap(p, span); }, at::TensorOptions().dtype(dtype));
+}
+
+// models/memory.py release: row `row`'s whole pages from slot `start` on, in a cache [L, B, Hkv, S, D] made
+// by on_demand_zeros, hold no memory and read as zeros again.
+void release(const at::Tensor& cache, int64_t row, int64_t start = 0) {
+  size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  if (cache.nbytes() < page || start >= cache.size(3)) return;
+  int64_t L = cache.size(0), B = cache.size(1), H = cache.size(2);
+  uintptr_t slot = cache.size(4) * cache.element_size(), run = cache.size(3) * slot, skip = start * slot;
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t h = 0; h < H; ++h) {
+      uintptr_t lo = reinterpret_cast<uintptr_t>(cache.data_ptr()) + ((l * B + row) * H + h) * run;
+      if (!spans.empty() && spans.back().second == lo + skip) spans.back().second = lo + run;
+      else spans.emplace_back(lo + skip, lo + run);
+    }
+  for (auto [lo, hi] : spans) {
+    uintptr_t first = (lo + page - 1) / page * page, end = hi / page * page;
+    if (end > first && madvise(reinterpret_cast<void*>(first), end - first, MADV_DONTNEED) != 0)
+      throw std::runtime_error("madvise(MADV_DONTNEED) failed on a KV cache");
+  }
 }
 
 // runtime/proposers/ngram.py NgramIndex.
@@ -227,9 +267,9 @@ struct Runner::Impl {
 
   at::Tensor empty_cache(const std::string& role, int64_t rows_) {
     const json& c = cache_shape.at(role);
-    return at::zeros({c.at("layers").get<int64_t>(), rows_, c.at("kv_heads").get<int64_t>(), art.slots,
-                      c.at("head_dim").get<int64_t>()},
-                     at::TensorOptions().dtype(art.dtype));
+    return on_demand_zeros({c.at("layers").get<int64_t>(), rows_, c.at("kv_heads").get<int64_t>(), art.slots,
+                            c.at("head_dim").get<int64_t>()},
+                           art.dtype);
   }
 
   // ---- graphs by name ---------------------------------------------------------------------------------
@@ -313,24 +353,20 @@ struct Runner::Impl {
     return art.batch_buckets.back();
   }
 
-  int64_t max_len() const {
-    int64_t m = 0;
-    for (auto* s : rows) m = std::max<int64_t>(m, s->seq.size());
-    return m;
-  }
-
   // dst[:, d, :, :used] = src[:, s, :, :used]: one row's first `used` cache slots.
   static void copy_slots(const at::Tensor& dst, int64_t d, const at::Tensor& src, int64_t s, int64_t used) {
     dst.select(1, d).narrow(2, 0, used).copy_(src.select(1, s).narrow(2, 0, used));
   }
 
-  void resize(int64_t n, int64_t used) {
+  // Each kept row copies its own used slots only, so no row commits memory for slots it does not use.
+  void resize(int64_t n) {
     int64_t nb = batch_bucket(std::max<int64_t>(n, 1));
     if (nb == B) return;
-    int64_t keep = std::min({n, nb, B});
+    int64_t keep = std::min({n, nb, B, static_cast<int64_t>(rows.size())});
     for (auto& [role, shape] : cache_shape) {
       std::pair<at::Tensor, at::Tensor> fresh = {empty_cache(role, nb), empty_cache(role, nb)};
-      for (int64_t i = 0; B && used && i < keep; ++i) {
+      for (int64_t i = 0; B && i < keep; ++i) {
+        int64_t used = static_cast<int64_t>(rows[i]->seq.size());
         copy_slots(fresh.first, i, caches[role].first, i, used);
         copy_slots(fresh.second, i, caches[role].second, i, used);
       }
@@ -350,12 +386,15 @@ struct Runner::Impl {
 
   void insert_row(Seq* s) {
     int64_t row = static_cast<int64_t>(rows.size());
-    resize(row + 1, max_len());
+    resize(row + 1);
     rows.push_back(s);
     if (!alias_scratch)
       for (auto& [role, c] : caches) {  // KVSlots.insert: the committed length, for every role
         copy_slots(c.first, row, scratch[role].first, 0, s->committed());
         copy_slots(c.second, row, scratch[role].second, 0, s->committed());
+        for (const at::Tensor* t : {&c.first, &c.second}) release(*t, row, s->committed());
+        release(scratch[role].first, 0);
+        release(scratch[role].second, 0);
       }
     set_row(row, *s);
   }
@@ -367,11 +406,14 @@ struct Runner::Impl {
       for (auto& [role, c] : caches) {
         copy_slots(c.first, i, c.first, last, used);
         copy_slots(c.second, i, c.second, last, used);
+        for (const at::Tensor* t : {&c.first, &c.second}) release(*t, i, used);
       }
       for (at::Tensor* t : {&last_tokens, &positions, &top_k, &active, &temperature, &top_p})
         (*t)[i].copy_((*t)[last]);
       rows[i] = rows[last];
     }
+    for (auto& [role, c] : caches)
+      for (const at::Tensor* t : {&c.first, &c.second}) release(*t, last);
     rows.pop_back();
     last_tokens[last] = 0;
     positions[last] = 0;
@@ -379,7 +421,7 @@ struct Runner::Impl {
     active[last] = false;
     temperature[last] = 0.0;
     top_p[last] = 1.0;
-    if (!rows.empty()) resize(static_cast<int64_t>(rows.size()), max_len());
+    if (!rows.empty()) resize(static_cast<int64_t>(rows.size()));
   }
 
   void advance(const at::Tensor& next_tokens, const at::Tensor& num_new) {
