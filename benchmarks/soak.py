@@ -220,7 +220,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
            str(args.max_context), "--batch-buckets", args.batch_buckets, "--backend", args.backend,
            "--log-level", "warning"]
     for flag, value in (("--model", args.model), ("--speculative-config", args.speculative_config),
-                        ("--threads", args.threads)):
+                        ("--threads", args.threads), ("--artifacts", args.artifacts)):
         if value:
             cmd += [flag, str(value)]
     server = subprocess.Popen(cmd, stdout=open(out / "server.log", "w"), stderr=subprocess.STDOUT)
@@ -336,6 +336,7 @@ def add_soak_parser(subparsers: Any) -> None:
     p.add_argument("--model")
     p.add_argument("--speculative-config", metavar="JSON")
     p.add_argument("--backend", default="eager")
+    p.add_argument("--artifacts", metavar="DIR", help="serve from a `specair compile` directory (its plan and backend)")
     p.add_argument("--max-context", type=int, default=8192)
     p.add_argument("--batch-buckets", default="1,2,4,8")
     p.add_argument("--threads", type=int)

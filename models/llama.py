@@ -63,12 +63,17 @@ def rope_inv_freq(config: ModelConfig, dtype: torch.dtype) -> Tensor:
     return inv
 
 
+# Table rows past the model's context: a fused kernel (onnxruntime's GroupQueryAttention) wants the table to
+# cover the whole cache buffer plus a step's tokens, and the buffer has spare slots past the context.
+ROPE_MARGIN = 1024
+
+
 def rope_tables(config: ModelConfig, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin tables [max_positions, head_dim / 2] (one entry per rotated pair, the layout fused rotary
-    kernels take); float32 math like transformers, float64 for float64 models."""
+    """cos/sin tables [max_positions + ROPE_MARGIN, head_dim / 2] (one entry per rotated pair, the layout
+    fused rotary kernels take); float32 math like transformers, float64 for float64 models."""
     math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     inv = rope_inv_freq(config, math_dtype)
-    pos = torch.arange(config.max_position_embeddings, dtype=math_dtype)
+    pos = torch.arange(config.max_position_embeddings + ROPE_MARGIN, dtype=math_dtype)
     freqs = torch.outer(pos, inv)
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
 

@@ -3,6 +3,8 @@ directory or build graphs on demand with a backend; and `specair compile`'s ahea
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import shlex
@@ -130,8 +132,14 @@ def _plan(target: Transformer, spec: SpeculativeConfig | None, max_context: int 
             chunks.append(c)
             c *= 2
         kw.setdefault("prefill_chunks", tuple(chunks))
-    return Plan(max_context=min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings),
+    plan = Plan(max_context=min(max_context or cfg.max_position_embeddings, cfg.max_position_embeddings),
                 speculative=spec, dtype=dtype, context_buckets=not length_aware, **kw)
+    longest_step = max([plan.prefill_chunk] + [t.num_nodes for t in plan.trees])
+    if length_aware and target.rope_cos.shape[0] < plan.slots + longest_step:
+        # The fused kernel does not apply (its RoPE table must cover the cache plus a step): attention would
+        # read the whole cache at every step, so read it by context bucket.
+        plan = dataclasses.replace(plan, context_buckets=True)
+    return plan
 
 
 def _log_spec(plan: Plan, backend: str) -> None:
@@ -342,8 +350,6 @@ def engine_from_models(target: Transformer, tokenizer: Any = None, draft: Any = 
 
 def compile_command(model: str | None, plan: Plan, backend: str, out: Path, quantize: str | None = None) -> str:
     """The `specair compile` command line that rebuilds artifacts for this plan."""
-    import dataclasses
-
     parts = ["specair", "compile", "--backend", backend, "--out", str(out), "--max-context", str(plan.max_context),
              "--buckets", ",".join(map(str, plan.batch_buckets)), "--variants", ",".join(plan.variants),
              "--dtype", plan.dtype]

@@ -311,6 +311,24 @@ def test_graphs_that_write_their_kv_in_place_return_none_for_it(model, backend, 
             assert_same((x,), (y,))
 
 
+def test_attention_fuses_on_a_cache_of_the_models_whole_context(model, backend, art):
+    """A cache of the model's whole context plus spare slots (a plan at the model's maximum context) still gets
+    the fused kernel, whose RoPE table must cover the buffer and the step: no step copies the whole cache."""
+    ctx = model.config.max_position_embeddings
+    k, v = model.empty_cache(1, ctx + 128)
+    k.normal_(generator=torch.Generator().manual_seed(0))
+    inputs = (torch.tensor([7]), torch.tensor([ctx - 1]), k, v, torch.zeros(1), torch.zeros(1, dtype=torch.long),
+              torch.ones(1), torch.rand(1))
+    names = ("tokens", "cache_len", "k_cache", "v_cache", "temperature", "top_k", "top_p", "uniform")
+    module = GraphModule(decode_step, {"target": model}, {"ctx": ctx}, names)
+    graph = GraphDef(f"decode_whole.b1.c{ctx}", module, inputs, names,
+                     ("next_tokens", "logits", "hidden", "new_k", "new_v"))
+    want = graph.eager(*inputs)
+    got = backend.compile(graph, art)(*[t.clone() for t in inputs])
+    assert got[3] is None and got[4] is None  # written into the cache in place by GroupQueryAttention
+    assert_same(got[:3], want[:3])
+
+
 @pytest.mark.parametrize("B", [1, 2])
 def test_chain_verify_writes_its_kv_in_place(model, backend, art, B):
     """A chain's verify returns every node's K/V at its own slot; fused (one row) it returns None for them
