@@ -26,20 +26,19 @@ _libc = ctypes.CDLL(None, use_errno=True) if _LINUX else None
 
 
 def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
-    """A zeroed tensor; on the CPU, one whose pages are committed on first write."""
+    """A zeroed tensor; on the CPU under Linux, one whose pages are committed on first write."""
     numel, size = math.prod(shape), torch.empty((), dtype=dtype).element_size()
-    if torch.device(device).type != "cpu" or numel * size < PAGE:
+    if torch.device(device).type != "cpu" or numel * size < PAGE or _libc is None:
         return torch.zeros(tuple(shape), dtype=dtype, device=device)
     span = -(-numel * size // PAGE) * PAGE
     # Inaccessible pages on both sides keep the kernel from merging the mapping with a neighbour, so its
     # resident size in /proc/self/smaps is the cache's own.
-    m = mmap.mmap(-1, span + 2 * PAGE, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
-    if _libc is not None:
-        base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-        for at in (base, base + PAGE + span):
-            if _libc.mprotect(ctypes.c_void_p(at), ctypes.c_size_t(PAGE), 0):
-                raise OSError(ctypes.get_errno(), "mprotect failed on a KV cache's guard page")
-        m.madvise(mmap.MADV_NOHUGEPAGE, PAGE, span)
+    m = mmap.mmap(-1, span + 2 * PAGE, flags=mmap.MAP_PRIVATE)  # fileno -1: anonymous
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    for at in (base, base + PAGE + span):
+        if _libc.mprotect(ctypes.c_void_p(at), ctypes.c_size_t(PAGE), 0):
+            raise OSError(ctypes.get_errno(), "mprotect failed on a KV cache's guard page")
+    m.madvise(mmap.MADV_NOHUGEPAGE, PAGE, span)
     # The tensor keeps the mapping alive; the mapping goes when its last view does.
     return torch.frombuffer(m, dtype=dtype, count=numel, offset=PAGE).view(tuple(shape))
 

@@ -4,7 +4,6 @@ directory or build graphs on demand with a backend; and `specair compile`'s ahea
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import shlex

@@ -541,7 +541,7 @@ def build_app(engine: Any, *, served_model_name: str | None = None, batch_bucket
         return Response(status_code=200)
 
     @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
+    def metrics_endpoint() -> Response:  # sync, so it runs in the thread pool: the KV gauge reads smaps
         data, content_type = metrics.render()
         return Response(data, media_type=content_type)
 

@@ -309,7 +309,8 @@ struct Runner::Impl {
   at::Tensor uniforms(int64_t n) const {
     at::Tensor all = at::zeros({B, std::max<int64_t>(n, 1)}, at::TensorOptions().dtype(udtype));
     for (size_t i = 0; i < rows.size(); ++i)
-      if (rows[i]->variant != "greedy") all[i].copy_(uniforms_at(*rows[i], static_cast<int64_t>(rows[i]->seq.size()), std::max<int64_t>(n, 1)));
+      if (rows[i]->variant != "greedy")
+        all[i].copy_(uniforms_at(*rows[i], static_cast<int64_t>(rows[i]->seq.size()), std::max<int64_t>(n, 1)));
     return n ? all : all.select(1, 0);
   }
 
