@@ -42,13 +42,17 @@ def tokenizer_fingerprint(tokenizer: Any) -> str | None:
     return hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest()
 
 
+_SOURCES = (".py", ".cpp", ".h")  # the int4 kernel's C++ too
+
+
 @functools.cache
 def source_digest() -> str:
     """A digest of the code that decides what a graph computes (models, graphs, compile), so artifacts built
     by other code under the same version number are stale, not silently reused."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted(p for d in ("models", "graphs", "compile") for p in (root / d).rglob("*.py")):
+    sources = (p for d in ("models", "graphs", "compile") for p in (root / d).rglob("*") if p.suffix in _SOURCES)
+    for path in sorted(sources):
         h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specair.compile import kernels
 from specair.models.errors import InputError, SpecairError
 
 QUANTIZE_CHOICES = ("none", "int4", "int8")
@@ -81,6 +82,8 @@ class Quantization:
     block_size: int  # weights per scale, along K
     symmetric: bool  # False: a zero point per block too
     accuracy_level: int  # MatMulNBits' compute type (4: activations quantized to int8 per row and block)
+    # Q4_1 blocks' operator: kernels.OP (specair's row-independent kernel) or "MatMulNBits" (+ float minima)
+    kernel: str = "MatMulNBits"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -93,12 +96,16 @@ SCHEMES = {
 
 
 def parse_quantize(name: str | None) -> Quantization | None:
-    """The scheme for a --quantize value (None or "none": no quantization)."""
+    """The scheme for a --quantize value (None or "none": no quantization). int4 reads Q4_1 blocks with
+    specair's own kernel where it builds here (else MatMulNBits, with a warning saying why)."""
     if name is None or name == "none":
         return None
     if name not in SCHEMES:
         raise InputError(f"unknown quantization {name!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
-    return SCHEMES[name]
+    q = SCHEMES[name]
+    if q.bits == 4 and not q.symmetric and kernels.enabled():
+        q = dataclasses.replace(q, kernel=kernels.OP)
+    return q
 
 
 @dataclass
@@ -159,16 +166,23 @@ def q4_1_blocks(w: Tensor, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.
 
 
 def _q4_1_template(q: Quantization, blocks: tuple[np.ndarray, np.ndarray, np.ndarray]) -> _Template:
-    """y = x W^T for W = d*q + m per block, exactly: MatMulNBits over (d, q) with zero points 0, plus the
-    blocks' minima times the per-block sums of x (two small float MatMuls that keep x's rank)."""
+    """y = x W^T for W = d*q + m per block, exactly: specair's own row-independent kernel
+    (`specair.ort::MatMulQ4_1`, compile/kernels) where it builds, else MatMulNBits over (d, q) with zero points
+    0 plus the blocks' minima times the per-block sums of x (two small float MatMuls that keep x's rank)."""
     from onnx import helper
 
     qs, d, m = blocks
     N, K = qs.shape
+    X, W, Y = _PLACEHOLDER_X, _PLACEHOLDER_W, _PLACEHOLDER_Y
+    if q.kernel == kernels.OP:
+        packed, scales, mins = kernels.pack_q4_1(qs, d, m)
+        node = helper.make_node(kernels.OP, [X, W + "_q4_1", W + "_q4_1_scales", W + "_q4_1_mins"], [Y],
+                                name="q4_1", domain=kernels.DOMAIN, K=K, N=N)
+        return _Template([node], {"_q4_1": packed, "_q4_1_scales": scales, "_q4_1_mins": mins},
+                         {kernels.DOMAIN: 1})
     nb = K // q.block_size
     packed = (qs[:, 0::2] | (qs[:, 1::2] << 4)).astype(np.uint8).reshape(N, nb, q.block_size // 2)
     zeros = np.zeros(N * ((nb + 1) // 2), dtype=np.uint8)
-    X, W, Y = _PLACEHOLDER_X, _PLACEHOLDER_W, _PLACEHOLDER_Y
     sums = f"specair.block_sums.{K}x{q.block_size}"  # one per shape, shared by every weight of that K
     nodes = [
         helper.make_node("MatMulNBits", [X, W + "_Q4", W + "_scales", W + "_zero_points"], ["scaled"],

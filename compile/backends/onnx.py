@@ -73,6 +73,7 @@ from torch import Tensor
 from specair.compile.backends.base import Backend, BackendUnavailable, CompiledGraph
 from specair.compile.backends.onnx_attention import IN_PLACE, PRESENT, fused_kernel, lower_fused_attention
 from specair.compile.graph_def import GraphDef
+from specair.compile import kernels
 from specair.compile.quantize import WeightQuantizer, parse_quantize
 from specair.models.errors import InputError, SpecairError
 from specair.models.llama import use_attention
@@ -650,6 +651,8 @@ class OnnxBackend(Backend):
         self.self_contained, self.opset, self.prepack = self_contained, opset, prepack
         # onnxruntime's GroupQueryAttention (com.microsoft) in place of exported attention; not for ATC.
         self.fuse_attention = (not self_contained) if fuse_attention is None else fuse_attention
+        # specair's row-independent kernels (compile/kernels) for fused attention and Q4_1 weights, where they build
+        self.kernels = not self_contained and kernels.enabled()
         if self.fuse_attention and self_contained:
             raise InputError("fused attention writes onnxruntime's com.microsoft operators, which Ascend ATC does "
                              "not take: it applies to the shared-weights export, not to --self-contained")
@@ -677,7 +680,8 @@ class OnnxBackend(Backend):
         import onnx
         import onnxruntime
 
-        return {**super().versions(), "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+        extra = {"specair_kernels": kernels.source_hash()} if self.kernels else {}
+        return {**super().versions(), "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__, **extra}
 
     def path(self, graph: GraphDef, art_dir: Path) -> Path:
         return Path(art_dir) / f"{graph.key}.onnx"
@@ -715,7 +719,7 @@ class OnnxBackend(Backend):
             model = onnx.load(str(tmp))
         finally:
             tmp.unlink(missing_ok=True)
-        lower_fused_attention(model)
+        lower_fused_attention(model, row_independent=self.kernels)
         tensors = _module_tensors(graph.module)
         quantized = self._quantizer.rewrite(model, tensors) if self._quantizer is not None else {}
         _linear_to_gemm(model, set(tensors))
@@ -785,6 +789,8 @@ class OnnxBackend(Backend):
                 so.intra_op_num_threads = self.threads
             # Per-session pools: a session's threads spin after its run and starve the next graph's.
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if self.kernels:
+            so.register_custom_ops_library(str(kernels.library()))
         keepalive: list[Any] = [so]
         external = []
         if (Path(art_dir) / WEIGHTS_INDEX).exists():  # shared weights (a self-contained file needs no parse)

@@ -17,6 +17,9 @@ traces `_Fused` (a `specair::FusedAttention` node, RoPE included) where the fuse
 nodes (q and k, indexing the whole RoPE tables by position, so trees rotate by depth) and GroupQueryAttention,
 replaces the Slice/Gather chain in front of its cache inputs by one graph input per layer (`k_cache.<layer>`)
 and adds the in-place outputs (`k_cache.<layer>.present`), which OrtGraph binds to the caller's cache.
+With `row_independent` (where specair's kernel library builds) the node is `specair.ort::CacheAttention`
+instead, GroupQueryAttention's contract computed so that a verify row equals the decode step of its token
+bit for bit (compile/kernels/attention.h); RoPE then stays in its own nodes.
 Applies when the step has no earlier uncached tokens (`k_prev`), no sliding window, float32, and one row
 or one token per row (the CPU kernel takes several new tokens after a cache only at batch 1); a tree's
 visibility among its T tokens enters as `attention_bias` over the slots, on top of the kernel's causal
@@ -28,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from specair.compile import kernels
 from specair.models.llama import AttentionInputs, rope_attend
 from specair.models.llama import static_shape as _static_shape
 
@@ -176,7 +180,7 @@ def _cache_source(g, producers: dict, inputs: dict, name: str) -> tuple[str, int
     return name, layer
 
 
-def lower_fused_attention(model) -> int:
+def lower_fused_attention(model, row_independent: bool = False) -> int:
     """Rewrite every specair::FusedAttention node of an exported model into GroupQueryAttention over
     per-layer cache inputs with in-place outputs (see the module docstring). Returns how many."""
     import onnx
@@ -213,11 +217,15 @@ def lower_fused_attention(model) -> int:
         rotary = [helper.make_node("RotaryEmbedding", [x, positions, cos, sin], [y], name=f"{name}/rotary_{c}",
                                    domain="com.microsoft") for c, x, y in (("q", q, q_rot), ("k", k, k_rot))]
         args = [q_rot, k_rot, v] + past + [seqlens, total]
-        if len(n.input) > 9:
-            args += ["", "", "", n.input[9]]  # cos_cache, sin_cache, position_ids unused: RoPE is applied before
-        gqa = helper.make_node("GroupQueryAttention", args, [n.output[0]] + [p + PRESENT for p in past],
-                               name=name, domain="com.microsoft", num_heads=a["heads"],
-                               kv_num_heads=a["kv_heads"], scale=a["scale"])
+        if row_independent:
+            op, domain = kernels.ATTENTION, kernels.DOMAIN
+            args += n.input[9:10]
+        else:
+            op, domain = "GroupQueryAttention", "com.microsoft"
+            if len(n.input) > 9:  # cos_cache, sin_cache, position_ids unused: RoPE is applied before
+                args += ["", "", "", n.input[9]]
+        gqa = helper.make_node(op, args, [n.output[0]] + [p + PRESENT for p in past], name=name, domain=domain,
+                               num_heads=a["heads"], kv_num_heads=a["kv_heads"], scale=a["scale"])
         n.CopyFrom(gqa)
         before[name] = rotary
         B, T, H, Hkv, D = a["batch"], a["tokens"], a["heads"], a["kv_heads"], a["head_dim"]
@@ -228,13 +236,15 @@ def lower_fused_attention(model) -> int:
     g.node.extend(nodes)
     _drop_written_kv(g)
     _drop_dead(g)
-    _pack_rotary(g)
-    _drop_dead(g)
+    if not row_independent:
+        _pack_rotary(g)
+        _drop_dead(g)
     for imp in list(model.opset_import):
         if imp.domain == DOMAIN:
             model.opset_import.remove(imp)
-    if not any(imp.domain == "com.microsoft" for imp in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    for domain in ("com.microsoft",) + ((kernels.DOMAIN,) if row_independent else ()):
+        if not any(imp.domain == domain for imp in model.opset_import):
+            model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
     return len(fused)
 
 
@@ -251,7 +261,7 @@ def _drop_written_kv(g) -> None:
     producers = {o: n for n in g.node for o in n.output}
     written: dict[tuple[str, int], int] = {}  # (tensor, GQA input index) -> layer
     for n in g.node:
-        if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft":
+        if (n.op_type, n.domain) in (("GroupQueryAttention", "com.microsoft"), (kernels.ATTENTION, kernels.DOMAIN)):
             layer = int(n.input[3].rpartition(".")[2])
             for i in IN_PLACE.values():
                 written[n.input[i], i] = layer

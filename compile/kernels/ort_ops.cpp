@@ -1,0 +1,193 @@
+// onnxruntime custom-op library, domain specair.ort. onnxruntime hands over its API at load (RegisterCustomOps),
+// so the library links nothing of onnxruntime and loads into the wheel's runtime.
+//   MatMulQ4_1(x [..., K] float, packed uint8, scales, mins float in q4_1.h's layout; K, N) -> [..., N]
+//   CacheAttention(q, k, v [B, T, *], k_cache, v_cache [B, Hkv, S, D], seqlens_k int32 [B], total int32,
+//                  bias [Bb, 1, T, S]?; num_heads, kv_num_heads, scale) -> out [B, T, H*D], k_present, v_present:
+//     GroupQueryAttention's contract (RoPE applied before), computed row-independently (attention.h).
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+#undef ORT_API_MANUAL_INIT
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "attention.h"
+#include "q4_1.h"
+
+namespace {
+
+constexpr int64_t kTilesPerTask = 4;
+
+struct Task {
+  specair::Q8Rows x;
+  int64_t M, K, N, tiles;
+  const uint8_t* packed;
+  const float *scales, *mins;
+  float* y;
+};
+
+void run_task(void* data, size_t i) {
+  const Task& t = *static_cast<const Task*>(data);
+  const int64_t begin = static_cast<int64_t>(i) * kTilesPerTask;
+  specair::q4_1_tiles(t.x, t.M, t.K, t.N, t.packed, t.scales, t.mins, t.y, begin,
+                      std::min(t.tiles, begin + kTilesPerTask));
+}
+
+struct Q4Kernel {
+  const OrtApi& api;
+  int64_t K = 0, N = 0;
+  std::vector<int8_t> q8;
+  std::vector<float> scale, sum;
+
+  OrtStatusPtr error(const std::string& what) const {
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, ("specair MatMulQ4_1: " + what).c_str());
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    const Ort::ConstValue x = ctx.GetInput(0), packed = ctx.GetInput(1), scales = ctx.GetInput(2),
+                          mins = ctx.GetInput(3);
+    std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
+    if (shape.empty() || shape.back() != K)
+      return error("x's last dimension must be K = " + std::to_string(K));
+    const int64_t tiles = (N + specair::kTile - 1) / specair::kTile, nb = K / specair::kBlock;
+    if (packed.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(tiles * nb * 256) ||
+        scales.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(tiles * nb * specair::kTile) ||
+        mins.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(tiles * nb * specair::kTile))
+      return error("packed weights do not match K = " + std::to_string(K) + ", N = " + std::to_string(N));
+    int64_t M = 1;
+    for (size_t i = 0; i + 1 < shape.size(); ++i) M *= shape[i];
+    shape.back() = N;
+    Ort::UnownedValue y = ctx.GetOutput(0, shape);
+    if (M == 0) return nullptr;
+    q8.resize(static_cast<size_t>(M * K));
+    scale.resize(static_cast<size_t>(M * nb));
+    sum.resize(static_cast<size_t>(M * nb));
+    specair::quantize_rows(x.GetTensorData<float>(), M, K, q8.data(), scale.data(), sum.data());
+    Task task{{q8.data(), scale.data(), sum.data()}, M, K, N, tiles, packed.GetTensorData<uint8_t>(),
+              scales.GetTensorData<float>(), mins.GetTensorData<float>(), y.GetTensorMutableData<float>()};
+    const size_t tasks = static_cast<size_t>((tiles + kTilesPerTask - 1) / kTilesPerTask);
+    return api.KernelContext_ParallelFor(context, run_task, tasks, 0, &task);
+  }
+};
+
+struct Q4Op : Ort::CustomOpBase<Q4Op, Q4Kernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    auto* k = new Q4Kernel{api};
+    Ort::ConstKernelInfo ki(info);
+    if (auto* s = api.KernelInfoGetAttribute_int64(info, "K", &k->K)) return delete k, s;
+    if (auto* s = api.KernelInfoGetAttribute_int64(info, "N", &k->N)) return delete k, s;
+    if (k->K <= 0 || k->K % specair::kBlock || k->N <= 0) {
+      delete k;
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, "specair MatMulQ4_1: K must be a positive multiple of 32");
+    }
+    *kernel = k;
+    return nullptr;
+  }
+  const char* GetName() const { return "MatMulQ4_1"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 4; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+void run_attention(void* data, size_t i) {
+  const auto& a = *static_cast<const specair::AttentionArgs*>(data);
+  specair::attention_rows(a, static_cast<int64_t>(i), static_cast<int64_t>(i) + 1);
+}
+
+struct AttentionKernel {
+  const OrtApi& api;
+  int64_t heads = 0, kv_heads = 0;
+  float scale = 0.0f;
+
+  OrtStatusPtr error(const std::string& what) const {
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, ("specair CacheAttention: " + what).c_str());
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    const auto q = ctx.GetInput(0), k = ctx.GetInput(1), v = ctx.GetInput(2), kc = ctx.GetInput(3),
+               vc = ctx.GetInput(4), lens = ctx.GetInput(5);
+    const auto qs = q.GetTensorTypeAndShapeInfo().GetShape(), cs = kc.GetTensorTypeAndShapeInfo().GetShape();
+    if (qs.size() != 3 || cs.size() != 4 || cs[1] != kv_heads || qs[2] != heads * cs[3] || cs[0] != qs[0])
+      return error("q must be [B, T, H*D] and the caches [B, Hkv, S, D]");
+    specair::AttentionArgs a{};
+    a.B = qs[0], a.T = qs[1], a.H = heads, a.Hkv = kv_heads, a.D = cs[3], a.S = cs[2], a.scale = scale;
+    if (lens.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(a.B))
+      return error("seqlens_k must hold one length per row");
+    a.seqlens = lens.GetTensorData<int32_t>();
+    for (int64_t b = 0; b < a.B; ++b)
+      if (a.seqlens[b] + 1 < a.T || a.seqlens[b] + 1 > a.S) return error("a row's length is outside its cache");
+    a.q = q.GetTensorData<float>(), a.k = k.GetTensorData<float>(), a.v = v.GetTensorData<float>();
+    a.k_cache = kc.GetTensorData<float>(), a.v_cache = vc.GetTensorData<float>();
+    if (ctx.GetInputCount() > 7) {
+      const auto bias = ctx.GetInput(7);
+      if (bias) {
+        const auto bs = bias.GetTensorTypeAndShapeInfo().GetShape();
+        if (bs.size() != 4 || (bs[0] != 1 && bs[0] != a.B) || bs[2] != a.T || bs[3] != a.S)
+          return error("attention_bias must be [1 or B, 1, T, S]");
+        a.bias = bias.GetTensorData<float>(), a.bias_batch = bs[0];
+      }
+    }
+    a.out = ctx.GetOutput(0, qs).GetTensorMutableData<float>();
+    a.k_present = ctx.GetOutput(1, cs).GetTensorMutableData<float>();
+    a.v_present = ctx.GetOutput(2, cs).GetTensorMutableData<float>();
+    specair::attention_write_kv(a);
+    return api.KernelContext_ParallelFor(context, run_attention, static_cast<size_t>(a.B * a.H * a.T), 0, &a);
+  }
+};
+
+struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    auto* k = new AttentionKernel{api};
+    if (auto* s = api.KernelInfoGetAttribute_int64(info, "num_heads", &k->heads)) return delete k, s;
+    if (auto* s = api.KernelInfoGetAttribute_int64(info, "kv_num_heads", &k->kv_heads)) return delete k, s;
+    if (auto* s = api.KernelInfoGetAttribute_float(info, "scale", &k->scale)) return delete k, s;
+    if (k->heads <= 0 || k->kv_heads <= 0 || k->heads % k->kv_heads) {
+      delete k;
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, "specair CacheAttention: num_heads must be a multiple of "
+                                                    "kv_num_heads");
+    }
+    *kernel = k;
+    return nullptr;
+  }
+  const char* GetName() const { return "CacheAttention"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 8; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 5 || i == 6 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i == 7 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) const char* specair_q4_1_isa() { return specair::q4_1_isa(); }
+
+__attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
+                                                                                 const OrtApiBase* base) {
+  static std::once_flag once;
+  static Q4Op op;
+  static AttentionOp attention;
+  static Ort::CustomOpDomain* domain = nullptr;
+  std::call_once(once, [base] {
+    Ort::InitApi(base->GetApi(ORT_API_VERSION));
+    domain = new Ort::CustomOpDomain("specair.ort");  // lives as long as the process: sessions keep using it
+    domain->Add(&op);
+    domain->Add(&attention);
+  });
+  return Ort::GetApi().AddCustomOpDomain(options, *domain);
+}
+
+}  // extern "C"

@@ -1,0 +1,196 @@
+"""specair's own onnxruntime kernels (compile/kernels): MatMulQ4_1 and CacheAttention are row-independent (each
+output row is bitwise what that row computes alone, whatever the other rows hold), on every instruction-set
+path this CPU has; MatMulQ4_1 computes the Q4_1 weights' product; and greedy speculation on the int4 path
+they serve equals plain decoding on that path, token for token."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from specair.compile import kernels
+
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+if not kernels.enabled():
+    pytest.skip("specair's kernel library does not build here", allow_module_level=True)
+
+
+def _session(nodes, inputs, outputs, inits=()):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(kernels.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(kernels.library()))
+    so.intra_op_num_threads = 2
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def q4_1_session(qs, d, m, M):
+    N, K = qs.shape
+    packed, scales, mins = kernels.pack_q4_1(qs, d, m)
+    inits = [numpy_helper.from_array(a, n) for a, n in ((packed, "p"), (scales, "s"), (mins, "m"))]
+    node = helper.make_node(kernels.OP, ["x", "p", "s", "m"], ["y"], domain=kernels.DOMAIN, K=K, N=N)
+    return _session([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
+                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, N])], inits)
+
+
+def q4_1_weights(N, K, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, 16, (N, K)).astype(np.uint8), (rng.random((N, K // 32)) * 0.02).astype(np.float32),
+            (-rng.random((N, K // 32)) * 0.1).astype(np.float32))
+
+
+def check_q4_1_rows() -> str:
+    """Every row of M-row products equals its one-row product, bitwise; returns the path that ran."""
+    for N, K in ((40, 64), (576, 576), (200, 1536)):  # N = 40 and 200: a partial last tile of columns
+        qs, d, m = q4_1_weights(N, K)
+        rng = np.random.default_rng(1)
+        x = rng.standard_normal((16, K)).astype(np.float32)
+        x[3] *= 1e4  # one row of large activations must not change the others' scales
+        alone = q4_1_session(qs, d, m, 1)
+        solo = np.concatenate([alone.run(None, {"x": x[r:r + 1]})[0] for r in range(16)])
+        for M in (2, 5, 9, 16):
+            out = q4_1_session(qs, d, m, M).run(None, {"x": x[:M]})[0]
+            assert np.array_equal(out, solo[:M]), (N, K, M)
+    return kernels.isa()
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
+def test_q4_1_rows_are_independent_on_every_path(isa):
+    env = {**os.environ, **({} if isa == "native" else {"SPECAIR_Q4_ISA": isa})}
+    code = "import test_kernels as t; print(t.check_q4_1_rows())"
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(__file__), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = r.stdout.split()[-1]
+    assert ran == kernels.isa() if isa == "native" else ran in (isa, "portable", "avxvnni")
+
+
+def test_q4_1_product_is_the_q4_1_weights_product():
+    N, K = 96, 320
+    qs, d, m = q4_1_weights(N, K, seed=3)
+    w = (qs.reshape(N, K // 32, 32) * d[..., None] + m[..., None]).reshape(N, K).astype(np.float64)
+    x = np.random.default_rng(4).standard_normal((5, K)).astype(np.float32)
+    out = q4_1_session(qs, d, m, 5).run(None, {"x": x})[0]
+    ref = x.astype(np.float64) @ w.T
+    # int8 activations per block of 32 (llama.cpp's Q8 for Q4_1): an error of ~1/254 of each block's largest
+    assert np.abs(out - ref).max() / np.abs(ref).max() < 0.02
+    assert np.abs(out - ref).max() / np.abs(ref).max() > 0  # activations are quantized, not read as floats
+
+
+def test_q4_1_refuses_activations_of_another_width():
+    qs, d, m = q4_1_weights(32, 64)
+    packed, scales, mins = kernels.pack_q4_1(qs, d, m)
+    inits = [numpy_helper.from_array(a, n) for a, n in ((packed, "p"), (scales, "s"), (mins, "m"))]
+    node = helper.make_node(kernels.OP, ["x", "p", "s", "m"], ["y"], domain=kernels.DOMAIN, K=64, N=32)
+    s = _session([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])], inits)
+    with pytest.raises(Exception, match="K = 64"):
+        s.run(None, {"x": np.zeros((1, 96), np.float32)})
+
+
+def attention_session(B, T, H, Hkv, D, S, bias: bool):
+    f = lambda name, shape, t=TensorProto.FLOAT: helper.make_tensor_value_info(name, t, shape)  # noqa: E731
+    ins = [f("q", [B, T, H * D]), f("k", [B, T, Hkv * D]), f("v", [B, T, Hkv * D]), f("kc", [B, Hkv, S, D]),
+           f("vc", [B, Hkv, S, D]), f("lens", [B], TensorProto.INT32), f("total", [], TensorProto.INT32)]
+    if bias:
+        ins.append(f("bias", [1, 1, T, S]))
+    node = helper.make_node(kernels.ATTENTION, [i.name for i in ins], ["out", "kp", "vp"], domain=kernels.DOMAIN,
+                            num_heads=H, kv_num_heads=Hkv, scale=D ** -0.5)
+    return _session([node], ins, [f("out", [B, T, H * D]), f("kp", [B, Hkv, S, D]), f("vp", [B, Hkv, S, D])])
+
+
+@pytest.mark.parametrize("D", [64, 40])
+def test_a_verify_row_attends_exactly_as_the_decode_step_of_its_token(D):
+    """A tree of 4 nodes (0 the root; 1 and 2 its children; 3 the child of 2) verified in one pass: each node's
+    output equals, bitwise, decoding its path one token at a time over the committed cache."""
+    H, Hkv, S, L, T = 6, 2, 32, 9, 4
+    rng = np.random.default_rng(0)
+    kc, vc = (rng.standard_normal((1, Hkv, S, D)).astype(np.float32) for _ in range(2))
+    q, k, v = (rng.standard_normal((1, T, n * D)).astype(np.float32) for n in (H, Hkv, Hkv))
+    parent = [-1, 0, 0, 2]
+    bias = np.zeros((1, 1, T, S), np.float32)
+    for t in range(T):
+        path, p = set(), t
+        while p >= 0:
+            path.add(p)
+            p = parent[p]
+        for j in range(T):
+            bias[0, 0, t, L + j] = 0.0 if j in path else np.finfo(np.float32).min
+    verify = attention_session(1, T, H, Hkv, D, S, bias=True).run(None, {
+        "q": q, "k": k, "v": v, "kc": kc, "vc": vc, "lens": np.array([L + T - 1], np.int32),
+        "total": np.array(S, np.int32), "bias": bias})[0]
+    decode = attention_session(1, 1, H, Hkv, D, S, bias=False)
+    for t in range(T):
+        path, p = [], t
+        while p >= 0:
+            path.insert(0, p)
+            p = parent[p]
+        ck, cv = kc.copy(), vc.copy()
+        for i, node in enumerate(path):
+            step = {"q": q[:, node:node + 1], "k": k[:, node:node + 1], "v": v[:, node:node + 1], "kc": ck,
+                    "vc": cv, "lens": np.array([L + i], np.int32), "total": np.array(S, np.int32)}
+            out, ck, cv = decode.run(None, step)
+        assert np.array_equal(out[0, 0], verify[0, t]), t
+
+
+def test_attention_refuses_a_length_outside_the_cache():
+    s = attention_session(1, 2, 2, 1, 16, 8, bias=False)
+    z = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
+    with pytest.raises(Exception, match="outside its cache"):
+        s.run(None, {"q": z(1, 2, 32), "k": z(1, 2, 16), "v": z(1, 2, 16), "kc": z(1, 1, 8, 16),
+                     "vc": z(1, 1, 8, 16), "lens": np.array([8], np.int32), "total": np.array(8, np.int32)})
+
+
+def _to_q4_1(w: torch.Tensor) -> torch.Tensor:
+    N, K = w.shape
+    b = w.reshape(N, K // 32, 32)
+    m = b.amin(-1).half().float()
+    d = ((b.amax(-1) - m) / 15).half().float()
+    q = ((b - m[..., None]) / d[..., None]).round().clamp(0, 15)
+    return (q * d[..., None] + m[..., None]).reshape(N, K)
+
+
+def test_greedy_speculation_on_the_int4_path_equals_plain_decoding_there(tmp_path_factory):
+    """A model whose weights are Q4_1 blocks (as the default model's are), on onnx int4 with specair's kernels:
+    every proposer's greedy tokens equal plain decoding's on the same path, not merely up to near-ties."""
+    from helpers import save_tiny
+
+    from specair.models.checkpoint import load_checkpoint
+    from specair.models.llama import build_model, truncated
+    from specair.runtime.build import engine_from_models, parse_spec
+    from specair.runtime.llm import LLM
+    from specair.runtime.params import SamplingParams
+
+    path = tmp_path_factory.mktemp("tiny_q41")
+    save_tiny("llama-tied", path)
+    ckpt = load_checkpoint(path, progress=False)
+    model = copy.deepcopy(build_model(ckpt.config, ckpt.state_dict))
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.weight.copy_(_to_q4_1(mod.weight))
+    prompts = [list(range(3, 30, 2)), [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44, 40, 41, 42]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    kw = dict(max_context=64, prefill_chunk=16, variants=("greedy",), backend="onnx", quantize="int4")
+    plain = [r.token_ids for r in LLM.from_engine(engine_from_models(model, **kw)).generate(prompts, params)]
+    for spec, draft in ((parse_spec({"method": "ngram", "num_speculative_tokens": 4}), None),
+                        (parse_spec({"method": "layer_skip", "num_layers": 1,
+                                                  "num_speculative_tokens": 3}), truncated(model, 1)),
+                        (parse_spec({"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2, "tree": "kary:2x2"}),
+                         truncated(model, 1))):
+        res = LLM.from_engine(engine_from_models(model, None, draft, spec, **kw)).generate(prompts, params)
+        assert [r.token_ids for r in res] == plain, spec
+        assert any(r.extra["spec"]["mean_accepted_length"] > 1 for r in res)  # it did speculate
+
+
+if __name__ == "__main__":
+    print(json.dumps(check_q4_1_rows()))
