@@ -1,6 +1,8 @@
-"""What an int4 linear layer costs per row: onnxruntime's MatMulNBits (block 32, the onnx backend's int4)
-at accuracy levels 4 (int8 activations) and 0 (float), and torch's int4-packed CPU matmul, for M = 1..32
-rows of activations. One node per session, the process-wide thread pool, median of 15 × 20 calls (µs):
+"""What an int4 linear layer costs per row: specair's own MatMulQ4_1 (compile/kernels, what the int4 path runs
+for Q4_1 weights), onnxruntime's MatMulNBits (block 32) at accuracy levels 4 (int8 activations) and 0 (float),
+and torch's int4-packed CPU matmul, for M = 1..32 rows of activations, on the default model's shapes. One
+node per session, the process-wide thread pool, median of 15 × 20 calls (µs), and each kernel's M-row cost
+over its one-row cost:
 
     python benchmarks/int4_rows.py --threads 2
 
@@ -16,7 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-SHAPES = [(576, 3072), (1536, 576)]  # SmolLM2-135M: gate|up packed, down
+# SmolLM2-135M (K × N): q|k|v packed, o, gate|up packed, down, the LM head; and the issue's 576 × 192, 576 × 1536
+SHAPES = [(576, 960), (576, 576), (576, 192), (576, 1536), (576, 3072), (1536, 576), (576, 49152)]
 ROWS = (1, 2, 5, 9, 16, 32)
 
 
@@ -51,25 +54,59 @@ def mnb_session(K: int, N: int, M: int, level: int):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
+def q4_1_session(K: int, N: int, M: int):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specair.compile import kernels
+
+    rng = np.random.default_rng(0)
+    packed, scales, mins = kernels.pack_q4_1(rng.integers(0, 16, (N, K), dtype=np.uint8),
+                                             rng.random((N, K // 32), dtype=np.float32),
+                                             rng.random((N, K // 32), dtype=np.float32))
+    inits = [numpy_helper.from_array(a, n) for a, n in ((packed, "p"), (scales, "s"), (mins, "m"))]
+    node = helper.make_node(kernels.OP, ["x", "p", "s", "m"], ["y"], domain=kernels.DOMAIN, K=K, N=N)
+    graph = helper.make_graph([node], "q4_1", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, N])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(kernels.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    so.use_per_session_threads = False
+    so.register_custom_ops_library(str(kernels.library()))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def row(name: str, K: int, N: int, cells: list[float]) -> None:
+    ratios = " / ".join(f"{c / cells[0]:.2f}" for c in cells[1:])
+    print(f"| {K} × {N} | {name} | " + " | ".join(f"{c:.0f}" for c in cells) + f" | {ratios} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-torch", action="store_true", help="skip torch's int4-packed matmul")
+    ap.add_argument("--all", action="store_true", help="MatMulNBits at accuracy level 0 too (float activations)")
     args = ap.parse_args()
     import onnxruntime as ort
     import torch
 
     ort.capi._pybind_state.set_global_thread_pool_sizes(args.threads, 1)
     torch.set_num_threads(args.threads)
-    print("| weight (K × N) | kernel | " + " | ".join(f"M={m}" for m in ROWS) + " |")
-    print("|---|---|" + "---|" * len(ROWS))
+    from specair.compile import kernels
+
+    print(f"specair's kernel runs {kernels.isa()} here")
+    print("| weight (K × N) | kernel | " + " | ".join(f"M={m}" for m in ROWS) + " | × M=1 at M=" +
+          ",".join(map(str, ROWS[1:])) + " |")
+    print("|---|---|" + "---|" * (len(ROWS) + 1))
     for K, N in SHAPES:
-        for level in (4, 0):
+        sessions = [("specair MatMulQ4_1", lambda M: q4_1_session(K, N, M))]
+        sessions += [(f"MatMulNBits level {level}", lambda M, level=level: mnb_session(K, N, M, level))
+                     for level in ((4, 0) if args.all else (4,))]
+        for name, make in sessions:
             cells = []
             for M in ROWS:
-                s, x = mnb_session(K, N, M, level), np.random.rand(M, K).astype(np.float32)
+                s, x = make(M), np.random.rand(M, K).astype(np.float32)
                 cells.append(median_us(lambda: s.run(None, {"x": x})))
-            print(f"| {K} × {N} | MatMulNBits level {level} | " + " | ".join(f"{c:.0f}" for c in cells) + " |", flush=True)
+            row(name, K, N, cells)
         if not args.no_torch:
             packed = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (N, K), dtype=torch.int32), 1)
             scales_zeros = torch.rand(K // 32, N, 2)
@@ -77,7 +114,7 @@ def main() -> None:
             for M in ROWS:
                 x = torch.rand(M, K)
                 cells.append(median_us(lambda: torch._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)))
-            print(f"| {K} × {N} | torch int4pack (fp32) | " + " | ".join(f"{c:.0f}" for c in cells) + " |", flush=True)
+            row("torch int4pack (fp32)", K, N, cells)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from specair.compile import kernels
+from specair.compile.backends.onnx import _shared_thread_pool
 
 ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
@@ -29,7 +30,10 @@ def _session(nodes, inputs, outputs, inits=()):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(kernels.DOMAIN, 1)])
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(kernels.library()))
-    so.intra_op_num_threads = 2
+    if _shared_thread_pool(2):  # the process's one pool, as the onnx backend runs its graphs
+        so.use_per_session_threads = False
+    else:
+        so.intra_op_num_threads = 2
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
