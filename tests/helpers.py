@@ -35,3 +35,14 @@ def save_tiny(kind: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.f
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(path)
     return model
+
+
+def to_q4_1(w: torch.Tensor) -> torch.Tensor:
+    """w rounded onto GGUF Q4_1 blocks of 32 (fp16 scale d and minimum m, w = d*q + m), as the loader
+    dequantizes them."""
+    N, K = w.shape
+    b = w.reshape(N, K // 32, 32)
+    m = b.amin(-1).half().float()
+    d = ((b.amax(-1) - m) / 15).half().float()
+    q = ((b - m[..., None]) / d[..., None]).round().clamp(0, 15)
+    return (q * d[..., None] + m[..., None]).reshape(N, K)

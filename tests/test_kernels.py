@@ -154,19 +154,10 @@ def test_attention_refuses_a_length_outside_the_cache():
                      "vc": z(1, 1, 8, 16), "lens": np.array([8], np.int32), "total": np.array(8, np.int32)})
 
 
-def _to_q4_1(w: torch.Tensor) -> torch.Tensor:
-    N, K = w.shape
-    b = w.reshape(N, K // 32, 32)
-    m = b.amin(-1).half().float()
-    d = ((b.amax(-1) - m) / 15).half().float()
-    q = ((b - m[..., None]) / d[..., None]).round().clamp(0, 15)
-    return (q * d[..., None] + m[..., None]).reshape(N, K)
-
-
 def test_greedy_speculation_on_the_int4_path_equals_plain_decoding_there(tmp_path_factory):
     """A model whose weights are Q4_1 blocks (as the default model's are), on onnx int4 with specair's kernels:
     every proposer's greedy tokens equal plain decoding's on the same path, not merely up to near-ties."""
-    from helpers import save_tiny
+    from helpers import save_tiny, to_q4_1
 
     from specair.models.checkpoint import load_checkpoint
     from specair.models.llama import build_model, truncated
@@ -181,7 +172,7 @@ def test_greedy_speculation_on_the_int4_path_equals_plain_decoding_there(tmp_pat
     with torch.no_grad():
         for mod in model.modules():
             if isinstance(mod, torch.nn.Linear):
-                mod.weight.copy_(_to_q4_1(mod.weight))
+                mod.weight.copy_(to_q4_1(mod.weight))
     prompts = [list(range(3, 30, 2)), [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44, 40, 41, 42]]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     kw = dict(max_context=64, prefill_chunk=16, variants=("greedy",), backend="onnx", quantize="int4")

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from helpers import save_tiny
+from helpers import save_tiny, to_q4_1
 
 from specair.compile.artifacts import MANIFEST, ArtifactError
 from specair.compile.backends import get_backend
@@ -162,17 +162,6 @@ def test_quantize_option_is_checked():
         OnnxBackend(quantize="int2")
 
 
-def _to_q4_1(w: torch.Tensor) -> torch.Tensor:
-    """w rounded onto GGUF Q4_1 blocks of 32 (fp16 scale d and minimum m, w = d*q + m), as the loader
-    dequantizes them."""
-    N, K = w.shape
-    b = w.reshape(N, K // 32, 32)
-    m = b.amin(-1).half().float()
-    d = ((b.amax(-1) - m) / 15).half().float()
-    q = ((b - m[..., None]) / d[..., None]).round().clamp(0, 15)
-    return (q * d[..., None] + m[..., None]).reshape(N, K)
-
-
 def test_q4_1_weights_are_read_back_exactly_and_beat_a_second_rounding(model, prefill_inputs, tmp_path, monkeypatch):
     """A checkpoint whose linear weights are Q4_1 blocks: int4 reads back their own q, d and m (no second
     rounding), and its graph lands closer to fp32 than requantizing the same weights with onnxruntime's tool."""
@@ -181,7 +170,7 @@ def test_q4_1_weights_are_read_back_exactly_and_beat_a_second_rounding(model, pr
     with torch.no_grad():
         for mod in q41.modules():
             if isinstance(mod, torch.nn.Linear):
-                mod.weight.copy_(_to_q4_1(mod.weight))
+                mod.weight.copy_(to_q4_1(mod.weight))
     for mod in q41.modules():
         if isinstance(mod, torch.nn.Linear):
             qs, d, m = q4_1_blocks(mod.weight)
