@@ -218,6 +218,18 @@ def read_manifest(art_dir: Path) -> dict[str, Any]:
     return manifest
 
 
+def version_problems(backend: Backend, built: dict[str, str]) -> list[str]:
+    """Why artifacts built with the library versions `built` cannot run on `backend` here (empty: they can)."""
+    have, problems = versions(backend), []
+    for lib in sorted(set(have) | set(built)):
+        optional_and_unused = lib in backend.optional_versions and lib not in built
+        if lib == "python" or optional_and_unused or built.get(lib) == have.get(lib):
+            continue
+        problems.append(f"{lib} is {have[lib]} but they were built with {built.get(lib)}" if lib in have else
+                        f"they were built with {lib} {built[lib]}, which this process does not have")
+    return problems
+
+
 def load_artifacts(catalog: Catalog, backend: Backend, art_dir: Path, manifest: dict[str, Any],
                    fingerprints: dict[str, Any], recompile_hint: str) -> GraphSet:
     """The compiled graphs of a checked manifest, loaded (without tracing or compiling) by
@@ -234,10 +246,7 @@ def load_artifacts(catalog: Catalog, backend: Backend, art_dir: Path, manifest: 
         if manifest["fingerprints"].get(name) != value:
             problems.append(f"the {name} differs (artifacts: {str(manifest['fingerprints'].get(name))[:16]}…, "
                             f"given: {str(value)[:16]}…)")
-    have, built = versions(backend), manifest.get("versions", {})
-    for lib, v in have.items():
-        if lib != "python" and built.get(lib) != v:
-            problems.append(f"{lib} is {v} but they were built with {built.get(lib)}")
+    problems += version_problems(backend, manifest.get("versions", {}))
     if problems:
         raise ArtifactError(f"cannot use the artifacts in {art_dir}: " + "; ".join(problems) +
                             f". Recompile with: {recompile_hint}")

@@ -187,5 +187,21 @@ def test_greedy_speculation_on_the_int4_path_equals_plain_decoding_there(tmp_pat
         assert any(r.extra["spec"]["mean_accepted_length"] > 1 for r in res)  # it did speculate
 
 
+def test_artifacts_name_the_kernels_only_when_they_use_them():
+    """Artifacts built with the kernels refuse a process without them (or with other sources); artifacts built
+    without them (the self-contained Atlas export, SPECAIR_KERNELS=onnxruntime) load with or without them."""
+    from specair.compile.artifacts import version_problems, versions
+    from specair.compile.backends.onnx import OnnxBackend
+
+    with_kernels, without = OnnxBackend(2), OnnxBackend(2, self_contained=True)
+    assert with_kernels.kernels and not without.kernels
+    built_with, built_without = versions(with_kernels), versions(without)
+    assert version_problems(with_kernels, built_with) == version_problems(with_kernels, built_without) == []
+    assert version_problems(without, built_without) == []
+    assert version_problems(without, built_with) == [
+        f"they were built with specair_kernels {kernels.source_hash()}, which this process does not have"]
+    assert "specair_kernels is" in version_problems(with_kernels, {**built_with, "specair_kernels": "0" * 16})[0]
+
+
 if __name__ == "__main__":
     print(json.dumps(check_q4_1_rows()))

@@ -61,6 +61,9 @@ class Backend(ABC):
     def end(self, art_dir: Path) -> None:
         """Called once after all graphs were compiled (e.g. to save compiler caches)."""
 
+    # versions() entries that only artifacts built with them depend on (artifacts without them load anywhere)
+    optional_versions: frozenset[str] = frozenset()
+
     def versions(self) -> dict[str, str]:
         """Library versions an artifact from this backend depends on (recorded in the manifest)."""
         import torch

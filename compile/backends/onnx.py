@@ -643,6 +643,7 @@ class OnnxBackend(Backend):
     tensor_parallel = False
     tensor_parallel_why = "ONNX has no collective operators that onnxruntime's CPU provider runs"
     device = "cpu"
+    optional_versions = frozenset({"specair_kernels"})
 
     def __init__(self, threads: int | None = None, *, self_contained: bool = False, opset: int = OPSET,
                  prepack: bool = False, providers: list[str] | None = None, quantize: str | None = None,
