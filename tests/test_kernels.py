@@ -112,38 +112,58 @@ def attention_session(B, T, H, Hkv, D, S, bias: bool):
     return _session([node], ins, [f("out", [B, T, H * D]), f("kp", [B, Hkv, S, D]), f("vp", [B, Hkv, S, D])])
 
 
-@pytest.mark.parametrize("D", [64, 40])
-def test_a_verify_row_attends_exactly_as_the_decode_step_of_its_token(D):
+def check_attention_rows(D: int) -> str:
     """A tree of 4 nodes (0 the root; 1 and 2 its children; 3 the child of 2) verified in one pass: each node's
-    output equals, bitwise, decoding its path one token at a time over the committed cache."""
-    H, Hkv, S, L, T = 6, 2, 32, 9, 4
+    output equals, bitwise, decoding its path one token at a time over the committed cache, and both are
+    softmax attention computed in float64 to float32 accuracy. Returns the path that ran."""
+    H, Hkv, S, L, T = 6, 2, 48, 29, 4
     rng = np.random.default_rng(0)
     kc, vc = (rng.standard_normal((1, Hkv, S, D)).astype(np.float32) for _ in range(2))
-    q, k, v = (rng.standard_normal((1, T, n * D)).astype(np.float32) for n in (H, Hkv, Hkv))
+    q, k, v = (rng.standard_normal((1, T, n * D)).astype(np.float32) * 2 for n in (H, Hkv, Hkv))
     parent = [-1, 0, 0, 2]
-    bias = np.zeros((1, 1, T, S), np.float32)
-    for t in range(T):
-        path, p = set(), t
-        while p >= 0:
-            path.add(p)
-            p = parent[p]
-        for j in range(T):
-            bias[0, 0, t, L + j] = 0.0 if j in path else np.finfo(np.float32).min
-    verify = attention_session(1, T, H, Hkv, D, S, bias=True).run(None, {
-        "q": q, "k": k, "v": v, "kc": kc, "vc": vc, "lens": np.array([L + T - 1], np.int32),
-        "total": np.array(S, np.int32), "bias": bias})[0]
-    decode = attention_session(1, 1, H, Hkv, D, S, bias=False)
+    paths = []
     for t in range(T):
         path, p = [], t
         while p >= 0:
             path.insert(0, p)
             p = parent[p]
+        paths.append(path)
+    bias = np.full((1, 1, T, S), np.finfo(np.float32).min, np.float32)
+    bias[..., :L] = 0.0
+    for t, path in enumerate(paths):
+        bias[0, 0, t, [L + j for j in path]] = 0.0
+    verify = attention_session(1, T, H, Hkv, D, S, bias=True).run(None, {
+        "q": q, "k": k, "v": v, "kc": kc, "vc": vc, "lens": np.array([L + T - 1], np.int32),
+        "total": np.array(S, np.int32), "bias": bias})[0]
+    decode = attention_session(1, 1, H, Hkv, D, S, bias=False)
+    for t, path in enumerate(paths):
         ck, cv = kc.copy(), vc.copy()
         for i, node in enumerate(path):
             step = {"q": q[:, node:node + 1], "k": k[:, node:node + 1], "v": v[:, node:node + 1], "kc": ck,
                     "vc": cv, "lens": np.array([L + i], np.int32), "total": np.array(S, np.int32)}
             out, ck, cv = decode.run(None, step)
         assert np.array_equal(out[0, 0], verify[0, t]), t
+        keys = np.concatenate([kc[0, :, :L], k[0, path].reshape(len(path), Hkv, D).transpose(1, 0, 2)], 1)
+        vals = np.concatenate([vc[0, :, :L], v[0, path].reshape(len(path), Hkv, D).transpose(1, 0, 2)], 1)
+        for h in range(H):
+            qh = q[0, t, h * D:(h + 1) * D].astype(np.float64)
+            s = keys[h // (H // Hkv)].astype(np.float64) @ qh * D ** -0.5
+            w = np.exp(s - s.max())
+            ref = (w / w.sum()) @ vals[h // (H // Hkv)].astype(np.float64)
+            np.testing.assert_allclose(verify[0, t, h * D:(h + 1) * D], ref, rtol=1e-5, atol=1e-5)
+    return kernels.isa("attention")
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("D", [64, 40])
+def test_a_verify_row_attends_exactly_as_the_decode_step_of_its_token(isa, D):
+    env = {**os.environ, **({} if isa == "native" else {"SPECAIR_Q4_ISA": isa})}
+    code = f"import test_kernels as t; print(t.check_attention_rows({D}))"
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(__file__), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = r.stdout.split()[-1]
+    assert ran == kernels.isa("attention") if isa == "native" else ran in (isa, "portable")
 
 
 def test_attention_refuses_a_length_outside_the_cache():

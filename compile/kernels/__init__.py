@@ -28,7 +28,7 @@ from specair.models.errors import SpecairError
 
 BLOCK, TILE = 32, 16
 OP, ATTENTION, DOMAIN = "MatMulQ4_1", "CacheAttention", "specair.ort"
-_SOURCES = ("q4_1.h", "q4_1.cpp", "attention.h", "attention.cpp", "ort_ops.cpp")
+_SOURCES = ("q4_1.h", "q4_1.cpp", "attention.h", "attention_simd.inc", "attention.cpp", "ort_ops.cpp")
 _HERE = Path(__file__).parent
 _DEBIAN_PACKAGE = "libonnxruntime-dev"
 _DEBIAN_SOURCE = "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main"
@@ -119,11 +119,12 @@ def enabled() -> bool:
     return True
 
 
-def isa() -> str:
-    """The instruction set the kernel runs on this CPU (avx512vnni, avxvnni, avx2 or portable)."""
-    lib = ctypes.CDLL(str(library()))
-    lib.specair_q4_1_isa.restype = ctypes.c_char_p
-    return lib.specair_q4_1_isa().decode()
+def isa(kernel: str = "q4_1") -> str:
+    """The instruction set a kernel runs on this CPU: q4_1's avx512vnni, avxvnni, avx2 or portable, attention's
+    avx512, avx2 or portable (`SPECAIR_Q4_ISA` caps both)."""
+    fn = getattr(ctypes.CDLL(str(library())), f"specair_{kernel}_isa")
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
 
 
 def pack_q4_1(qs: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,11 +1,11 @@
 // See attention.h. One work item is one (row, head, token) query; its keys are the committed slots, then the
-// step's own tokens, in slot order. The dot product over D uses 16 lanes and a fixed reduction; exp is the C
-// library's, element by element; the value sum runs over the visible keys in order.
+// step's own tokens, in slot order. The SIMD paths (attention_simd.inc) take the dot product over D in vector
+// lanes with a fixed reduction, exp by one polynomial for all lanes, and the value sum over the visible keys
+// in order; the portable path does the same element by element, with the C library's exp.
 #include "attention.h"
 
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -16,37 +16,151 @@ namespace {
 
 constexpr float kHidden = -1e30f;
 
-float dot_portable(const float* a, const float* b, int64_t D) {
-  float lane[16] = {};
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16)
-    for (int i = 0; i < 16; ++i) lane[i] = std::fma(a[d + i], b[d + i], lane[i]);
-  float s = 0.0f;
-  for (int i = 0; i < 16; ++i) s += lane[i];
-  for (; d < D; ++d) s = std::fma(a[d], b[d], s);
-  return s;
+// exp(x) for x <= 0 (Cephes' expf: 2^n times a degree-7 polynomial of the remainder); below -87 it is
+// exp(-87), about 1.6e-38, whose weight vanishes beside the largest score's 1.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f, kExpMin = -87.0f;
+constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+namespace portable {
+
+void item(const AttentionArgs& a, const float* q, const float* kc, const float* vc, const float* bias,
+          const int64_t* slot, int64_t n, float* score, float* o) {
+  const int64_t D = a.D;
+  float top = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* k = kc + slot[i] * D;
+    float s = 0.0f;
+    for (int64_t d = 0; d < D; ++d) s += q[d] * k[d];
+    s *= a.scale;
+    if (bias) s += bias[slot[i]];
+    score[i] = s;
+    top = std::fmax(top, s);
+  }
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += (score[i] = std::exp(score[i] - top));
+  for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v = vc + slot[i] * D;
+    for (int64_t d = 0; d < D; ++d) o[d] += score[i] * v[d];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t d = 0; d < D; ++d) o[d] *= inv;
 }
 
-__attribute__((target("avx512f")))
-float dot_avx512(const float* a, const float* b, int64_t D) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-  float s = _mm512_reduce_add_ps(acc);
-  for (; d < D; ++d) s = std::fma(a[d], b[d], s);
-  return s;
+}  // namespace portable
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512vl,avx512bw,fma")
+namespace avx512 {
+
+using V = __m512;
+constexpr int kW = 16;
+inline __mmask16 part(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
+inline V zero() { return _mm512_setzero_ps(); }
+inline V set1(float x) { return _mm512_set1_ps(x); }
+inline V load(const float* p) { return _mm512_loadu_ps(p); }
+inline V load_part(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(part(n), p); }
+inline void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+inline void store_part(float* p, V x, int64_t n) { _mm512_mask_storeu_ps(p, part(n), x); }
+inline V keep_part(V x, int64_t n) { return _mm512_maskz_mov_ps(part(n), x); }
+inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline float reduce_add(V x) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline V exp_nonpositive(V x) {
+  x = _mm512_max_ps(x, set1(kExpMin));
+  const V n = _mm512_roundscale_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V r = _mm512_fnmadd_ps(n, set1(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, set1(kLn2Lo), r);
+  V p = set1(kP[0]);
+  for (int i = 1; i < 6; ++i) p = fma(p, r, set1(kP[i]));
+  p = fma(p, mul(r, r), add(r, set1(1.0f)));
+  return _mm512_scalef_ps(p, n);
 }
 
-using DotFn = float (*)(const float*, const float*, int64_t);
+#include "attention_simd.inc"
 
-DotFn pick_dot() {
-  __builtin_cpu_init();
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+
+using V = __m256;
+constexpr int kW = 8;
+inline __m256i part(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline V zero() { return _mm256_setzero_ps(); }
+inline V set1(float x) { return _mm256_set1_ps(x); }
+inline V load(const float* p) { return _mm256_loadu_ps(p); }
+inline V load_part(const float* p, int64_t n) { return _mm256_maskload_ps(p, part(n)); }
+inline void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+inline void store_part(float* p, V x, int64_t n) { _mm256_maskstore_ps(p, part(n), x); }
+inline V keep_part(V x, int64_t n) { return _mm256_and_ps(x, _mm256_castsi256_ps(part(n))); }
+inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+inline V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline float reduce_add(V x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline V exp_nonpositive(V x) {
+  x = _mm256_max_ps(x, set1(kExpMin));
+  const V n = _mm256_round_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V r = _mm256_fnmadd_ps(n, set1(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, set1(kLn2Lo), r);
+  V p = set1(kP[0]);
+  for (int i = 1; i < 6; ++i) p = fma(p, r, set1(kP[i]));
+  p = fma(p, mul(r, r), add(r, set1(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return mul(p, _mm256_castsi256_ps(e));  // n >= -126 here, so 2^n is a normal float
+}
+
+#include "attention_simd.inc"
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+using ItemFn = void (*)(const AttentionArgs&, const float*, const float*, const float*, const float*,
+                        const int64_t*, int64_t, float*, float*);
+
+struct Dispatch {
+  const char* isa;
+  ItemFn item;
+};
+
+Dispatch pick() {
+  // SPECAIR_Q4_ISA caps this choice as it does the int4 kernel's (avx512vnni, avxvnni/avx2, portable).
   const char* cap = std::getenv("SPECAIR_Q4_ISA");
-  const bool portable = cap != nullptr && std::strcmp(cap, "portable") == 0;
-  return !portable && __builtin_cpu_supports("avx512f") ? dot_avx512 : dot_portable;
+  const bool any = cap == nullptr || std::strcmp(cap, "avx512vnni") == 0;
+  __builtin_cpu_init();
+  if (any && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
+    return {"avx512", avx512::item};
+  const bool avx2_ok = any || std::strcmp(cap, "avx2") == 0 || std::strcmp(cap, "avxvnni") == 0;
+  if (avx2_ok && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return {"avx2", avx2::item};
+  return {"portable", portable::item};
+}
+
+const Dispatch& dispatch() {
+  static const Dispatch d = pick();
+  return d;
 }
 
 }  // namespace
+
+const char* attention_isa() { return dispatch().isa; }
 
 void attention_write_kv(const AttentionArgs& a) {
   const int64_t cache = a.Hkv * a.S * a.D;
@@ -67,42 +181,21 @@ void attention_write_kv(const AttentionArgs& a) {
 }
 
 void attention_rows(const AttentionArgs& a, int64_t begin, int64_t end) {
-  static const DotFn dot = pick_dot();
+  const ItemFn item = dispatch().item;
   const int64_t D = a.D, group = a.H / a.Hkv;
-  thread_local std::vector<float> score, acc;
+  thread_local std::vector<float> score;
   thread_local std::vector<int64_t> slot;
   if (score.size() < static_cast<size_t>(a.S)) score.resize(a.S), slot.resize(a.S);
-  if (acc.size() < static_cast<size_t>(D)) acc.resize(D);
-  for (int64_t item = begin; item < end; ++item) {
-    const int64_t t = item % a.T, h = (item / a.T) % a.H, b = item / (a.T * a.H), kv = h / group;
-    const int64_t len = a.seqlens[b] + 1 - a.T, last = len + t;  // causal: slots 0 .. last
-    const float* q = a.q + (b * a.T + t) * a.H * D + h * D;
-    const float* kc = a.k_present + (b * a.Hkv + kv) * a.S * D;
-    const float* vc = a.v_present + (b * a.Hkv + kv) * a.S * D;
+  for (int64_t w = begin; w < end; ++w) {
+    const int64_t t = w % a.T, h = (w / a.T) % a.H, b = w / (a.T * a.H), kv = h / group;
+    const int64_t last = a.seqlens[b] + 1 - a.T + t;  // causal: slots 0 .. last
     const float* bias = a.bias ? a.bias + ((a.bias_batch == 1 ? 0 : b) * a.T + t) * a.S : nullptr;
     int64_t n = 0;
-    float top = -INFINITY;
-    for (int64_t j = 0; j <= last && j < a.S; ++j) {
-      float s = dot(q, kc + j * D, D) * a.scale;
-      if (bias) {
-        if (bias[j] <= kHidden) continue;
-        s += bias[j];
-      }
-      score[n] = s;
-      slot[n++] = j;
-      top = std::fmax(top, s);
-    }
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n; ++i) sum += (score[i] = std::exp(score[i] - top));
-    std::fill(acc.begin(), acc.begin() + D, 0.0f);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* v = vc + slot[i] * D;
-      const float p = score[i];
-      for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(p, v[d], acc[d]);
-    }
-    float* o = a.out + (b * a.T + t) * a.H * D + h * D;
-    const float inv = 1.0f / sum;
-    for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+    for (int64_t j = 0; j <= last && j < a.S; ++j)
+      if (!bias || bias[j] > kHidden) slot[n++] = j;
+    item(a, a.q + (b * a.T + t) * a.H * D + h * D, a.k_present + (b * a.Hkv + kv) * a.S * D,
+         a.v_present + (b * a.Hkv + kv) * a.S * D, bias, slot.data(), n, score.data(),
+         a.out + (b * a.T + t) * a.H * D + h * D);
   }
 }
 

@@ -19,6 +19,9 @@ struct AttentionArgs {
   float scale;
 };
 
+// The instruction set attention runs on this CPU (avx512, avx2 or portable).
+const char* attention_isa();
+
 // Writes this step's K/V into the present caches (copying the past first where they are other buffers).
 void attention_write_kv(const AttentionArgs& a);
 

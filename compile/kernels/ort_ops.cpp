@@ -174,6 +174,7 @@ struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
 extern "C" {
 
 __attribute__((visibility("default"))) const char* specair_q4_1_isa() { return specair::q4_1_isa(); }
+__attribute__((visibility("default"))) const char* specair_attention_isa() { return specair::attention_isa(); }
 
 __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
                                                                                  const OrtApiBase* base) {
