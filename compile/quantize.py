@@ -32,6 +32,9 @@ Schemes (`SCHEMES`):
   134 ms against 2 ms for SmolLM2's LM head shape at one row, measured here). accuracy_level 4 makes MLAS quantize the activations to
   int8 per block and use integer dot products, which is what llama.cpp does on CPU for Q4_1 (activations as
   Q8_1); accuracy_level 0 (float activations) measured 3.6x slower on SmolLM2's LM head at batch 1 here.
+  Where specair's own kernel builds (compile/kernels), every int4 layer runs it: Q4_1 blocks exactly, and
+  other weights (SmolLM2's tied table) rounded onto Q4_1 blocks as llama.cpp quantizes to Q4_1 (a float
+  minimum, not an integer zero point), so that no layer of the path computes a row differently at M rows.
 - `int8`: `MatMulNBits` again, 8 bits, blocks of 32, symmetric (GGUF Q8_0's shape: one scale per block of
   32), accuracy_level 4. onnxruntime's dynamic quantization (`quantize_dynamic`: DynamicQuantizeLinear +
   MatMulInteger, fused into DynamicQuantizeMatMul) was measured too and is faster (decode step ~10%,
@@ -165,6 +168,17 @@ def q4_1_blocks(w: Tensor, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.
     return (qs.to(torch.uint8).reshape(N, K).numpy(), d.float().numpy(), m.float().numpy())
 
 
+def round_to_q4_1(w: Tensor, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """w rounded onto Q4_1 blocks as llama.cpp quantizes to Q4_1 (m the block's minimum, d its range / 15,
+    q the nearest step): q [N, K] uint8, d and m [N, K/block] float32."""
+    b = w.detach().to(torch.float32).reshape(w.shape[0], -1, block)
+    m = b.amin(-1)
+    d = (b.amax(-1) - m) / 15
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    qs = ((b - m[..., None]) * inv[..., None]).round().clamp(0, 15)
+    return qs.to(torch.uint8).reshape(w.shape).numpy(), d.numpy(), m.numpy()
+
+
 def _q4_1_template(q: Quantization, blocks: tuple[np.ndarray, np.ndarray, np.ndarray]) -> _Template:
     """y = x W^T for W = d*q + m per block, exactly: specair's own row-independent kernel
     (`specair.ort::MatMulQ4_1`, compile/kernels) where it builds, else MatMulNBits over (d, q) with zero points
@@ -203,6 +217,8 @@ def _template(q: Quantization, w: Tensor) -> _Template:
 
     if q.bits == 4 and not q.symmetric:
         blocks = q4_1_blocks(w, q.block_size)
+        if blocks is None and q.kernel == kernels.OP and w.shape[1] % q.block_size == 0:
+            blocks = round_to_q4_1(w, q.block_size)  # e.g. a tied LM head whose table is not Q4_1
         if blocks is not None:
             return _q4_1_template(q, blocks)
     w32 = w.detach().to(torch.float32)

@@ -1,5 +1,5 @@
 """Weight-only quantization of the onnx backend (`--quantize int4|int8`): every linear layer and the LM head
-become MatMulNBits while the embedding lookup keeps its float table; quantized graphs stay close to fp32;
+become MatMulNBits (int4: specair's MatMulQ4_1 where its kernels build) while the embedding lookup keeps its float table; quantized graphs stay close to fp32;
 speculative greedy equals autoregressive greedy over the same quantized graphs; quantized weights are
 stored once and shared by every session; the manifest records the quantization and a different one is
 refused with the command that rebuilds."""
@@ -38,6 +38,13 @@ N_LINEAR = 2 * 4 + 1  # two layers of wqkv, wo, w13, w2, and the LM head
 # Measured on this tiny random model (hidden 64), prefill chunk, seeds 0-2: max |logit error| / max |logit|
 # was 0.044-0.054 (int4) and 0.0045-0.0049 (int8); the bounds leave ~3x room for other CPUs' kernels.
 RELATIVE_TOLERANCE = {"int4": 0.15, "int8": 0.015}
+
+
+def _linear_op(method: str) -> tuple[str, str]:
+    """The operator int4/int8 linear layers become here, and the suffix of their packed weights."""
+    if method == "int4" and kernels.enabled():
+        return kernels.OP, "_q4_1"
+    return "MatMulNBits", f"_Q{SCHEMES[method].bits}"
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +88,15 @@ def test_quantized_graph_runs_close_to_fp32_with_every_linear_quantized(model, p
     assert 0 < rel < RELATIVE_TOLERANCE[method]  # quantized (not bit-equal to fp32), yet close
     proto = onnx.load(str(tmp_path / f"{graph.key}.onnx"), load_external_data=False)
     nodes = proto.graph.node
-    nbits = [n for n in nodes if n.op_type == "MatMulNBits"]
-    assert len(nbits) == N_LINEAR
-    assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {SCHEMES[method].bits}
-    assert {a.i for n in nbits for a in n.attribute if a.name == "block_size"} == {32}
+    op, suffix = _linear_op(method)
+    linear = [n for n in nodes if n.op_type == op]
+    assert len(linear) == N_LINEAR
+    if op == "MatMulNBits":
+        assert {a.i for n in linear for a in n.attribute if a.name == "bits"} == {SCHEMES[method].bits}
+        assert {a.i for n in linear for a in n.attribute if a.name == "block_size"} == {32}
     # The tied LM head reads a quantized copy of the table; the lookup still reads the float table.
     table = "models.target.tok_embeddings.weight"
-    assert any(n.input[1] == f"{table}_Q{SCHEMES[method].bits}" for n in nbits)
+    assert any(n.input[1] == table + suffix for n in linear)
     assert [n.op_type for n in nodes if table in n.input] == ["Gather"]
     floats = {i.name for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2}
     assert not [n for n in nodes if n.op_type in ("Gemm", "MatMul") and set(n.input) & floats]
@@ -102,7 +111,7 @@ def test_weights_are_quantized_once_and_shared_by_sessions(model, tmp_path):
     for key in keys:
         be.compile(spec_cat.graph(key), tmp_path)
     index = json.loads((tmp_path / WEIGHTS_INDEX).read_text())["tensors"]
-    packed = {n: e for n, e in index.items() if n.endswith("_Q4")}
+    packed = {n: e for n, e in index.items() if n.endswith(_linear_op("int4")[1])}
     # Three graphs and the draft's own names for the target's first layer: still one copy per weight.
     assert len({e["offset"] for e in packed.values()}) == N_LINEAR
     assert any(n.startswith("models.draft.") for n in packed)
@@ -186,8 +195,9 @@ def test_q4_1_weights_are_read_back_exactly_and_beat_a_second_rounding(model, pr
     ops = [n.op_type for n in proto.graph.node]
     q4_1 = ops.count(kernels.OP)
     assert ops.count("MatMulNBits") + q4_1 == N_LINEAR
-    # specair's kernel reads every layer's Q4_1 weights (the tied head is the embedding table, not rounded here)
-    assert q4_1 == (N_LINEAR - 1 if kernels.enabled() else 0)
+    # specair's kernel reads every layer's Q4_1 weights (and the tied head's table rounded onto Q4_1 blocks)
+    assert q4_1 == (N_LINEAR if kernels.enabled() else 0)
     monkeypatch.setattr(quantize, "q4_1_blocks", lambda w, block=32: None)  # the tool's asymmetric rounding
+    monkeypatch.setattr(kernels, "enabled", lambda: False)
     again = OnnxBackend(threads=1, quantize="int4").compile(graph, tmp_path / "tool")(*prefill_inputs)[0]
     assert rel(exact) < rel(again)
