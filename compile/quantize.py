@@ -148,35 +148,38 @@ def _run_tool(q: Quantization, wt: np.ndarray):
         log.setLevel(level)
 
 
+def _q4_1_rounding(w: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """w's blocks [N, K/block, block] in float64 and their rounding onto Q4_1 as llama.cpp quantizes to Q4_1
+    (m the block's minimum, d its range / 15, q the nearest step): (blocks, q, d, m)."""
+    b = w.detach().to(torch.float64).reshape(w.shape[0], -1, block)
+    m = b.amin(-1)
+    d = (b.amax(-1) - m) / 15
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    return b, ((b - m[..., None]) / safe[..., None]).round().clamp(0, 15), d, m
+
+
+def _as_arrays(qs: Tensor, d: Tensor, m: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return qs.to(torch.uint8).reshape(qs.shape[0], -1).numpy(), d.float().numpy(), m.float().numpy()
+
+
 def q4_1_blocks(w: Tensor, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """If every block of `block` weights along K is exactly d*q + m with q in 0..15 (a GGUF Q4_1 block, as
     the loader dequantized it), return q [N, K] uint8, d and m [N, K/block] float32; else None."""
-    w32 = w.detach().to(torch.float32)
-    N, K = w32.shape
-    if K % block:
+    if w.shape[1] % block:
         return None
-    b = w32.reshape(N, K // block, block).double()
-    m, top = b.amin(-1), b.amax(-1)
-    d = (top - m) / 15
-    safe = torch.where(d > 0, d, torch.ones_like(d))
-    qs = ((b - m[..., None]) / safe[..., None]).round().clamp(0, 15)
+    b, qs, d, m = _q4_1_rounding(w, block)
     # Exact up to the float32 rounding of the loader's own d*q + m.
     err = (qs * d[..., None] + m[..., None] - b).abs()
     scale = (m.abs() + 15 * d)[..., None]
     if not bool((err <= 4 * torch.finfo(torch.float32).eps * scale).all()):
         return None
-    return (qs.to(torch.uint8).reshape(N, K).numpy(), d.float().numpy(), m.float().numpy())
+    return _as_arrays(qs, d, m)
 
 
 def round_to_q4_1(w: Tensor, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """w rounded onto Q4_1 blocks as llama.cpp quantizes to Q4_1 (m the block's minimum, d its range / 15,
-    q the nearest step): q [N, K] uint8, d and m [N, K/block] float32."""
-    b = w.detach().to(torch.float32).reshape(w.shape[0], -1, block)
-    m = b.amin(-1)
-    d = (b.amax(-1) - m) / 15
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    qs = ((b - m[..., None]) * inv[..., None]).round().clamp(0, 15)
-    return qs.to(torch.uint8).reshape(w.shape).numpy(), d.numpy(), m.numpy()
+    """w rounded onto Q4_1 blocks as llama.cpp quantizes to Q4_1: q [N, K] uint8, d and m [N, K/block]
+    float32."""
+    return _as_arrays(*_q4_1_rounding(w, block)[1:])
 
 
 def _q4_1_template(q: Quantization, blocks: tuple[np.ndarray, np.ndarray, np.ndarray]) -> _Template:

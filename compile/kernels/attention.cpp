@@ -74,16 +74,10 @@ inline float reduce_add(V x) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-inline V exp_nonpositive(V x) {
-  x = _mm512_max_ps(x, set1(kExpMin));
-  const V n = _mm512_roundscale_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  V r = _mm512_fnmadd_ps(n, set1(kLn2Hi), x);
-  r = _mm512_fnmadd_ps(n, set1(kLn2Lo), r);
-  V p = set1(kP[0]);
-  for (int i = 1; i < 6; ++i) p = fma(p, r, set1(kP[i]));
-  p = fma(p, mul(r, r), add(r, set1(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+inline V max(V a, V b) { return _mm512_max_ps(a, b); }
+inline V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+inline V round_nearest(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V times_pow2(V p, V n) { return _mm512_scalef_ps(p, n); }
 
 #include "attention_simd.inc"
 
@@ -115,16 +109,12 @@ inline float reduce_add(V x) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-inline V exp_nonpositive(V x) {
-  x = _mm256_max_ps(x, set1(kExpMin));
-  const V n = _mm256_round_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  V r = _mm256_fnmadd_ps(n, set1(kLn2Hi), x);
-  r = _mm256_fnmadd_ps(n, set1(kLn2Lo), r);
-  V p = set1(kP[0]);
-  for (int i = 1; i < 6; ++i) p = fma(p, r, set1(kP[i]));
-  p = fma(p, mul(r, r), add(r, set1(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return mul(p, _mm256_castsi256_ps(e));  // n >= -126 here, so 2^n is a normal float
+inline V max(V a, V b) { return _mm256_max_ps(a, b); }
+inline V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+inline V round_nearest(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V times_pow2(V p, V n) {  // n >= -126 where exp uses it, so 2^n is a normal float
+  return mul(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                                        _mm256_set1_epi32(127)), 23)));
 }
 
 #include "attention_simd.inc"
