@@ -85,7 +85,10 @@ def load_models(path: str | None, dtype: str, spec: SpeculativeConfig | None, de
 
 
 def parse_spec(spec_json: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
-    """Parse --speculative-config (see `runtime.proposers.parse_config`)."""
+    """Parse --speculative-config (see `runtime.proposers.parse_config`); "none" is plain decoding, and
+    "auto" is resolved against the backend by `open_engine` (`auto_spec`)."""
+    if spec_json in (AUTO, "none"):
+        return None
     return parse_config(spec_json)
 
 
@@ -161,6 +164,21 @@ AUTO_VARIANTS = ("greedy", "plain", "filtered")
 AUTO_SPEC_VARIANTS = ("greedy", "filtered")
 
 
+# What `--speculative-config auto` (the CLI's default) runs where speculation cannot change the output (the
+# backend's graphs are row-independent, `Backend.row_independent`): prompt lookup, which needs no draft weights
+# and runs a plain decode step wherever nothing in the context matches. Elsewhere auto is plain decoding.
+AUTO_SPEC = {"method": "ngram"}
+
+
+def auto_spec(be: Any, dtype: str, batch_buckets: tuple[int, ...]) -> SpeculativeConfig | None:
+    """The speculative config `auto` means on this backend and plan (None: plain decoding)."""
+    if not (be.row_independent and dtype == "fp32" and tuple(batch_buckets) == (1,)):
+        return None
+    log("specair: speculating by default, with n-gram prompt lookup: this path's graphs are row-independent, so "
+        "the output is what plain decoding gives (--speculative-config none decodes plainly)")
+    return parse_spec(AUTO_SPEC)
+
+
 def auto_backend(model: str | None, quantize: str | None = None) -> tuple[str, str | None]:
     """What `--backend auto` runs: onnxruntime where it is installed (else eager), with the default model's
     Q4_1 weights read exactly as int4 (`--quantize` overrides; other checkpoints keep float weights)."""
@@ -213,11 +231,13 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
 
     `backend="auto"` (the CLI's default for generate and chat) is the fastest configuration here
     (`auto_backend`), built ahead of time into specair's cache on first use and loaded afterwards
-    (`cached_artifacts`); its context defaults to AUTO_MAX_CONTEXT.
+    (`cached_artifacts`); its context defaults to AUTO_MAX_CONTEXT. `spec_json="auto"` (the CLI's default
+    too) speculates where that cannot change the output (`auto_spec`); "none" or None decodes plainly.
 
     `tensor_parallel_size` N > 1 starts N-1 worker processes and returns rank 0's engine, which drives them
     (runtime/tensor_parallel); `tp` is the rank an engine is built for inside such a group."""
     spec = parse_spec(spec_json)
+    spec_auto = spec_json == AUTO
     name = model_name or (Path(model).name if model else "SmolLM2-135M-Instruct")
     if tensor_parallel_size != 1 and tp is None:
         return _tensor_parallel_engine(dict(
@@ -231,6 +251,7 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
         backend, quantize = auto_backend(model, quantize)
         if backend != "eager":
             be = get_backend(backend, threads, quantize=quantize)
+            spec = auto_spec(be, dtype, batch_buckets) if spec_auto else spec
             models = load_models(model, dtype, spec, _device(be, device), features)
             plan = _plan(models.target, spec, max_context or AUTO_MAX_CONTEXT, dtype, backend=be, draft=models.draft,
                          batch_buckets=batch_buckets,
@@ -240,6 +261,7 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
                                     max_waiting, name)
     if artifacts is None:
         be = get_backend(backend or "eager", threads, quantize=quantize)
+        spec = auto_spec(be, dtype, batch_buckets) if spec_auto else spec
         models = load_models(model, dtype, spec, _device(be, device), features)
         plan = _plan(models.target, spec, max_context, dtype, backend=be, draft=models.draft,
                      batch_buckets=batch_buckets, variants=VARIANTS)

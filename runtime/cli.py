@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any, Iterator
 
 import torch
@@ -103,9 +104,16 @@ def _summary(res) -> str:
             f"{res.decode_tokens_per_s:.1f} tok/s decode{tau} | finish: {res.finish_reason}]")
 
 
+def _loaded(engine, params) -> None:
+    t0 = time.perf_counter()
+    if n := engine.load_graphs(params):
+        log(f"loaded {n} graphs in {time.perf_counter() - t0:.1f}s")
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     params = _sampling(args)
     engine = _engine(args)
+    _loaded(engine, params)
     for ids in read_prompts(args, engine.tokenizer):
         res = _stream(engine, ids, params, echo=not args.json)
         if args.json:
@@ -120,6 +128,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     """An interactive chat: the model's chat template, streamed replies, speed and τ after each."""
     params = _sampling(args)
     engine = _engine(args)
+    _loaded(engine, params)
     tok = engine.tokenizer
     if tok is None:
         raise InputError("this checkpoint has no tokenizer, so it cannot chat")
@@ -195,10 +204,13 @@ def _sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--artifacts", metavar="DIR", help="run from a `specair compile` directory, compiling nothing")
 
 
-def _model_options(p: argparse.ArgumentParser) -> None:
+def _model_options(p: argparse.ArgumentParser, spec_default: str | None = None) -> None:
     p.add_argument("--model", help="HF checkpoint dir, GGUF file or llama2.c .bin (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--speculative-config", metavar="JSON",
-                   help='e.g. \'{"method": "layer_skip", "num_layers": 8, "num_speculative_tokens": 4}\'')
+    auto = ("; default auto: n-gram prompt lookup where the graphs are row-independent (the default path), so "
+            "speculation cannot change the output, plain decoding elsewhere; none: plain decoding"
+            if spec_default == "auto" else "")
+    p.add_argument("--speculative-config", metavar="JSON", default=spec_default,
+                   help='e.g. \'{"method": "layer_skip", "num_layers": 8, "num_speculative_tokens": 4}\'' + auto)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--max-context", type=int, help="tokens of context to allocate (default: the model's; 2048 with --backend auto)")
     p.add_argument("--threads", type=int, help="CPU threads for torch and onnxruntime (per rank with --tensor-parallel-size)")
@@ -210,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specair", description="Speculative decoding as ahead-of-time compiled graphs.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for one or more prompts")
-    _model_options(g)
+    _model_options(g, "auto")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts", metavar="FILE.jsonl", help='one {"prompt": ...} or {"messages": [...]} per line')
@@ -221,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     ch = sub.add_parser("chat", help="chat interactively (chat template, streamed replies, tokens/s and τ)")
-    _model_options(ch)
+    _model_options(ch, "auto")
     _sampling_options(ch)
     ch.add_argument("--system", help="a system message to start the conversation with")
     ch.set_defaults(func=cmd_chat)

@@ -23,7 +23,7 @@ from torch import Tensor
 from specair.compile.artifacts import GraphSet
 from specair.compile.graph_def import GraphKey
 from specair.compile.plan import VARIANTS
-from specair.graphs.sampling import sample
+from specair.graphs.sampling import sample, sampling_variant
 from specair.models.errors import InputError, SpecairError
 from specair.runtime.adaptive import AdaptiveSpeculation
 from specair.runtime.batch_state import BatchState
@@ -107,6 +107,11 @@ class Engine:
     def trace(self, trace: list[dict[str, Any]] | None) -> None:
         self._trace = trace
         self.graphs.observer = None if trace is None else (lambda key: trace.append({"graph": key.name}))
+
+    def load_graphs(self, params: SamplingParams) -> int:
+        """Load now the compiled graphs that requests sampling like `params` run (onnxruntime makes a session
+        per graph, ~0.1 s each), so no load lands inside the first request; returns how many loaded."""
+        return self.graphs.load_pending((self.plan.variant_for(sampling_variant([params.temperature], [params.top_k], [params.top_p])),))
 
     # ---- requests -----------------------------------------------------------------------------------
 

@@ -34,8 +34,8 @@ def test_auto_resolves_to_onnx_with_exact_int4_for_the_default_model_only():
     assert auto_backend("/some/checkpoint", "int8") == ("onnx", "int8")
 
 
-def test_ngram_lookahead_defaults_to_four():
-    assert parse_spec(NGRAM).num_speculative_tokens == 4
+def test_ngram_lookahead_defaults_to_three():
+    assert parse_spec(NGRAM).num_speculative_tokens == 3
     assert parse_spec('{"method": "ngram", "num_speculative_tokens": 2}').num_speculative_tokens == 2
 
 
@@ -123,3 +123,52 @@ def test_fused_attention_plans_have_one_context_bucket(tiny_dir):
     assert build._plan(models.target, None, 200, "fp32", backend=eager, draft=None).chunk_buckets == (16, 32, 64, 128)
     assert build._plan(models.target, spec, 200, "fp32", backend=onnx, draft=object(),
                        batch_buckets=(1,)).chunk_buckets == (128,)
+
+
+def test_auto_speculation_is_ngram_only_where_it_cannot_change_the_output():
+    """`--speculative-config auto` (generate's and chat's default) is n-gram prompt lookup on row-independent
+    graphs (onnx int4 on specair's kernels, float32, batch 1) and plain decoding everywhere else."""
+    from specair.compile.backends import get_backend
+    from specair.compile.backends.onnx import OnnxBackend
+    from specair.runtime.cli import build_parser
+
+    ngram = parse_spec(build.AUTO_SPEC)
+    assert ngram.method == "ngram"
+    int4 = OnnxBackend(quantize="int4")
+    assert int4.row_independent and build.auto_spec(int4, "fp32", (1,)) == ngram
+    assert build.auto_spec(int4, "fp32", (1, 4)) is None
+    assert build.auto_spec(int4, "bf16", (1,)) is None
+    for be in (OnnxBackend(), OnnxBackend(quantize="int8"), get_backend("eager")):
+        assert not be.row_independent and build.auto_spec(be, "fp32", (1,)) is None
+    int4.kernels = False  # onnxruntime's own MatMulNBits and GroupQueryAttention round verify rows otherwise
+    assert not int4.row_independent
+    parser = build_parser()
+    for cmd in (["generate", "--prompt", "x"], ["chat"]):
+        assert parser.parse_args(cmd).speculative_config == "auto"
+    assert parser.parse_args(["compile", "--backend", "onnx", "--out", "x"]).speculative_config is None
+    assert parse_spec("none") is None and parse_spec("auto") is None  # auto is resolved by open_engine
+
+
+def test_auto_speculation_gives_plain_decodings_tokens(tiny_dir):
+    """On onnx int4 the auto default speculates (and does accept drafts) with plain decoding's greedy tokens."""
+    kw = dict(backend="onnx", quantize="int4", max_context=128)
+    auto, plain = open_engine(str(tiny_dir), spec_json="auto", **kw), open_engine(str(tiny_dir), spec_json="none", **kw)
+    assert auto.proposer.spec.method == "ngram" and plain.proposer is None
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    (a,), (p,) = LLM.from_engine(auto).generate(prompt, params), LLM.from_engine(plain).generate(prompt, params)
+    assert a.token_ids == p.token_ids
+    assert a.extra["spec"]["mean_accepted_length"] > 1
+
+
+def test_load_graphs_loads_what_a_request_of_that_sampling_runs(tiny_dir, tmp_path, monkeypatch):
+    """`specair generate` loads the graphs its sampling runs before the first request (none lands in its
+    timing): greedy loads the prefill, decode and verify graphs of the greedy variant, not the filtered ones."""
+    monkeypatch.setenv("SPECAIR_CACHE", str(tmp_path))
+    engine = open_engine(str(tiny_dir), spec_json=NGRAM, backend="auto", max_context=64)
+    assert engine.load_graphs(SamplingParams()) == len(engine.graphs.fns) > 0
+    kinds = {(k.kind, k.method or k.variant) for k in engine.graphs.fns}
+    assert {("decode", "greedy"), ("verify", "greedy"), ("prefill", "")} == kinds
+    assert engine.load_graphs(SamplingParams()) == 0
+    assert engine.load_graphs(SamplingParams(temperature=0.8, top_p=0.9)) > 0
+    assert {("decode", "filtered"), ("verify", "filtered")} <= {(k.kind, k.variant) for k in engine.graphs.fns}

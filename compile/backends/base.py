@@ -40,6 +40,13 @@ class Backend(ABC):
     # so the runtime sizes caches by the context in use; else every cache has the plan's full slot count.
     any_cache_length: ClassVar[bool] = False
 
+    @property
+    def row_independent(self) -> bool:
+        """Whether every float32 graph at batch 1 computes each of its token rows bit for bit as a one-token
+        graph computes it (linear layers and attention alike), so a verify pass scores each token exactly as a
+        decode step would and greedy speculation cannot change the output."""
+        return False
+
     def __init__(self, threads: int | None = None) -> None:
         self.threads = threads
 

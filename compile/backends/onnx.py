@@ -670,6 +670,11 @@ class OnnxBackend(Backend):
         # weights, lifted constants), in memory once and shared by every session that reads them
         self._stored: dict[tuple, tuple[Any, Any]] = {}
 
+    @property
+    def row_independent(self) -> bool:
+        # specair's CacheAttention and MatMulQ4_1 on every linear layer (LM head included)
+        return self.kernels and self.fuse_attention and getattr(self.quantization, "kernel", None) == kernels.OP
+
     @classmethod
     def check_available(cls) -> None:
         missing = _missing_packages()
