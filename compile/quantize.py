@@ -159,12 +159,14 @@ def _q4_1_rounding(w: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor, Tenso
 
 
 def _as_arrays(qs: Tensor, d: Tensor, m: Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return qs.to(torch.uint8).reshape(qs.shape[0], -1).numpy(), d.float().numpy(), m.float().numpy()
+    # d and m in float16, as GGUF stores them (and llama.cpp rounds them after choosing q)
+    return qs.to(torch.uint8).reshape(qs.shape[0], -1).numpy(), d.half().numpy(), m.half().numpy()
 
 
 def q4_1_blocks(w: Tensor, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """If every block of `block` weights along K is exactly d*q + m with q in 0..15 (a GGUF Q4_1 block, as
-    the loader dequantized it), return q [N, K] uint8, d and m [N, K/block] float32; else None."""
+    the loader dequantized it from float16 d and m), return q [N, K] uint8, d and m [N, K/block] float16;
+    else None."""
     if w.shape[1] % block:
         return None
     b, qs, d, m = _q4_1_rounding(w, block)
@@ -178,7 +180,7 @@ def q4_1_blocks(w: Tensor, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.
 
 def round_to_q4_1(w: Tensor, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """w rounded onto Q4_1 blocks as llama.cpp quantizes to Q4_1: q [N, K] uint8, d and m [N, K/block]
-    float32."""
+    float16."""
     return _as_arrays(*_q4_1_rounding(w, block)[1:])
 
 

@@ -48,12 +48,13 @@ def q4_1_session(qs, d, m, M):
 
 def q4_1_weights(N, K, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.integers(0, 16, (N, K)).astype(np.uint8), (rng.random((N, K // 32)) * 0.02).astype(np.float32),
-            (-rng.random((N, K // 32)) * 0.1).astype(np.float32))
+    return (rng.integers(0, 16, (N, K)).astype(np.uint8), (rng.random((N, K // 32)) * 0.02).astype(np.float16),
+            (-rng.random((N, K // 32)) * 0.1).astype(np.float16))
 
 
 def check_q4_1_rows() -> str:
-    """Every row of M-row products equals its one-row product, bitwise; returns the path that ran."""
+    """Every row of M-row products equals its one-row product, bitwise, and is the Q4_1 weights' product up to
+    the activations' int8 rounding; returns the path that ran."""
     for N, K in ((40, 64), (576, 576), (200, 1536)):  # N = 40 and 200: a partial last tile of columns
         qs, d, m = q4_1_weights(N, K)
         rng = np.random.default_rng(1)
@@ -61,6 +62,9 @@ def check_q4_1_rows() -> str:
         x[3] *= 1e4  # one row of large activations must not change the others' scales
         alone = q4_1_session(qs, d, m, 1)
         solo = np.concatenate([alone.run(None, {"x": x[r:r + 1]})[0] for r in range(16)])
+        w = (qs.reshape(N, K // 32, 32) * d[..., None].astype(np.float64) + m[..., None]).reshape(N, K)
+        ref = x.astype(np.float64) @ w.T  # within int8 activations' rounding of the exact product, on every path
+        assert (np.abs(solo - ref).max(1) / np.abs(ref).max(1)).max() < 0.02, (N, K)
         for M in (2, 5, 9, 16):
             out = q4_1_session(qs, d, m, M).run(None, {"x": x[:M]})[0]
             assert np.array_equal(out, solo[:M]), (N, K, M)

@@ -129,7 +129,8 @@ def isa(kernel: str = "q4_1") -> str:
 
 def pack_q4_1(qs: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_1 blocks (q [N, K] in 0..15, d and m [N, K/32]) in the kernel's layout (q4_1.h): packed uint8
-    [N/16, K/32, 256], scales and mins float32 [N/16, K/32, 16]; N is padded to a multiple of 16."""
+    [N/16, K/32, 256], scales and mins float16 [N/16, K/32, 16] (GGUF's own precision for them); N is padded
+    to a multiple of 16."""
     N, K = qs.shape
     nb, tiles = K // BLOCK, -(-N // TILE)
     pad = tiles * TILE - N
@@ -137,5 +138,5 @@ def pack_q4_1(qs: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray,
     byte = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [t, c, b, g, i]: k = 4g + i low, 16 + 4g + i high
     packed = np.ascontiguousarray(byte.transpose(0, 2, 3, 1, 4)).reshape(tiles, nb, 256)
     per_tile = lambda a: np.ascontiguousarray(  # noqa: E731
-        np.pad(a.astype(np.float32), ((0, pad), (0, 0))).reshape(tiles, TILE, nb).transpose(0, 2, 1))
+        np.pad(a.astype(np.float16), ((0, pad), (0, 0))).reshape(tiles, TILE, nb).transpose(0, 2, 1))
     return packed, per_tile(d), per_tile(m)

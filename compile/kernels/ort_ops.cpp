@@ -1,6 +1,6 @@
 // onnxruntime custom-op library, domain specair.ort. onnxruntime hands over its API at load (RegisterCustomOps),
 // so the library links nothing of onnxruntime and loads into the wheel's runtime.
-//   MatMulQ4_1(x [..., K] float, packed uint8, scales, mins float in q4_1.h's layout; K, N) -> [..., N]
+//   MatMulQ4_1(x [..., K] float, packed uint8, scales, mins float16 in q4_1.h's layout; K, N) -> [..., N]
 //   CacheAttention(q, k, v [B, T, *], k_cache, v_cache [B, Hkv, S, D], seqlens_k int32 [B], total int32,
 //                  bias [Bb, 1, T, S]?; num_heads, kv_num_heads, scale) -> out [B, T, H*D], k_present, v_present:
 //     GroupQueryAttention's contract (RoPE applied before), computed row-independently (attention.h).
@@ -23,7 +23,7 @@ struct Task {
   specair::Q8Rows x;
   int64_t M, K, N, tiles;
   const uint8_t* packed;
-  const float *scales, *mins;
+  const uint16_t *scales, *mins;
   float* y;
 };
 
@@ -66,7 +66,8 @@ struct Q4Kernel {
     sum.resize(static_cast<size_t>(M * nb));
     specair::quantize_rows(x.GetTensorData<float>(), M, K, q8.data(), scale.data(), sum.data());
     Task task{{q8.data(), scale.data(), sum.data()}, M, K, N, tiles, packed.GetTensorData<uint8_t>(),
-              scales.GetTensorData<float>(), mins.GetTensorData<float>(), y.GetTensorMutableData<float>()};
+              static_cast<const uint16_t*>(scales.GetTensorRawData()),
+              static_cast<const uint16_t*>(mins.GetTensorRawData()), y.GetTensorMutableData<float>()};
     const size_t tasks = static_cast<size_t>((tiles + kTilesPerTask - 1) / kTilesPerTask);
     return api.KernelContext_ParallelFor(context, run_task, tasks, 0, &task);
   }
@@ -89,7 +90,8 @@ struct Q4Op : Ort::CustomOpBase<Q4Op, Q4Kernel, true> {
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return 4; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
+         : i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }

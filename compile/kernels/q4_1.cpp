@@ -13,6 +13,28 @@ namespace {
 
 constexpr int kRows = 4;  // rows per register chunk: 2 int + 1 float accumulator each, plus 8 unpacked weights
 
+// Weights stream from memory once per pass: fetching a few blocks ahead keeps a core's loads in flight across
+// the short matrices of a decode step, where the hardware prefetcher has little time to ramp up.
+constexpr int kAhead = 12;
+
+inline float half_to_float(uint16_t h) {  // IEEE binary16, exactly (subnormals included)
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  float f;
+  if (exp == 0x1Fu) {
+    const uint32_t bits = sign | 0x7F800000u | (man << 13);
+    std::memcpy(&f, &bits, sizeof f);
+  } else if (exp == 0) {
+    f = std::ldexp(static_cast<float>(man), -24);
+    if (sign) f = -f;
+  } else {
+    const uint32_t bits = sign | ((exp + 112u) << 23) | (man << 13);
+    std::memcpy(&f, &bits, sizeof f);
+  }
+  return f;
+}
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
 inline float block_scale(float amax) { return amax / 127.0f; }
 inline float block_inverse(float amax) { return amax > 0.0f ? 127.0f / amax : 0.0f; }
 
@@ -33,8 +55,8 @@ void quantize_portable(const float* x, int64_t M, int64_t K, int8_t* q8, float* 
   }
 }
 
-void tiles_portable(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const float* scales,
-                    const float* mins, float* y, int64_t t0, int64_t t1) {
+void tiles_portable(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const uint16_t* scales,
+                    const uint16_t* mins, float* y, int64_t t0, int64_t t1) {
   const int64_t nb = K / kBlock;
   for (int64_t t = t0; t < t1; ++t) {
     for (int c = 0; c < kTile; ++c) {
@@ -51,7 +73,8 @@ void tiles_portable(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint
               const uint8_t byte = w[64 * g + 4 * c + i];
               dot += (byte & 15) * xq[b * kBlock + 4 * g + i] + (byte >> 4) * xq[b * kBlock + 16 + 4 * g + i];
             }
-          const float d = scales[(t * nb + b) * kTile + c], m = mins[(t * nb + b) * kTile + c];
+          const float d = half_to_float(scales[(t * nb + b) * kTile + c]);
+          const float m = half_to_float(mins[(t * nb + b) * kTile + c]);
           acc = std::fma(static_cast<float>(dot), d * x.scale[r * nb + b], acc);
           acc = std::fma(m, x.sum[r * nb + b], acc);
         }
@@ -81,8 +104,8 @@ void quantize_avx512(const float* x, int64_t M, int64_t K, int8_t* q8, float* sc
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-void tiles_avx512(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const float* scales,
-                  const float* mins, float* y, int64_t t0, int64_t t1) {
+void tiles_avx512(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const uint16_t* scales,
+                  const uint16_t* mins, float* y, int64_t t0, int64_t t1) {
   const int64_t nb = K / kBlock;
   const __m512i low = _mm512_set1_epi8(15);
   for (int64_t t = t0; t < t1; ++t) {
@@ -93,15 +116,21 @@ void tiles_avx512(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_
       __m512 acc[kRows];
       for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* w = packed + (t * nb + b) * 256;
+        const int64_t tb = t * nb + b;
+        const uint8_t* w = packed + tb * 256;
+        if (r0 == 0) {
+          for (int g = 0; g < 4; ++g) prefetch(w + kAhead * 256 + 64 * g);
+          prefetch(scales + (tb + kAhead) * kTile);
+          prefetch(mins + (tb + kAhead) * kTile);
+        }
         __m512i lo[4], hi[4];
         for (int g = 0; g < 4; ++g) {
           const __m512i v = _mm512_loadu_si512(w + 64 * g);
           lo[g] = _mm512_and_si512(v, low);
           hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
-        const __m512 d = _mm512_loadu_ps(scales + (t * nb + b) * kTile);
-        const __m512 m = _mm512_loadu_ps(mins + (t * nb + b) * kTile);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + tb * kTile)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + tb * kTile)));
         for (int r = 0; r < kRows; ++r) {
           if (r >= rows) break;
           const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + (r0 + r) * K + b * kBlock);
@@ -132,9 +161,9 @@ inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) {
 }
 
 template <bool kVnni>
-__attribute__((target("avx2,fma,avxvnni")))
-void tiles_avx2(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const float* scales,
-                const float* mins, float* y, int64_t t0, int64_t t1) {
+__attribute__((target("avx2,fma,f16c,avxvnni")))
+void tiles_avx2(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const uint16_t* scales,
+                const uint16_t* mins, float* y, int64_t t0, int64_t t1) {
   const int64_t nb = K / kBlock;
   const __m256i low = _mm256_set1_epi8(15);
   for (int64_t t = t0; t < t1; ++t) {
@@ -146,15 +175,21 @@ void tiles_avx2(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_t*
         __m256 acc[kRows];
         for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* w = packed + (t * nb + b) * 256 + 32 * h;
+          const int64_t tb = t * nb + b;
+          const uint8_t* w = packed + tb * 256 + 32 * h;
+          if (r0 == 0 && h == 0) {
+            for (int g = 0; g < 4; ++g) prefetch(w + kAhead * 256 + 64 * g);
+            prefetch(scales + (tb + kAhead) * kTile);
+            prefetch(mins + (tb + kAhead) * kTile);
+          }
           __m256i lo[4], hi[4];
           for (int g = 0; g < 4; ++g) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * g));
             lo[g] = _mm256_and_si256(v, low);
             hi[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           }
-          const __m256 d = _mm256_loadu_ps(scales + (t * nb + b) * kTile + 8 * h);
-          const __m256 m = _mm256_loadu_ps(mins + (t * nb + b) * kTile + 8 * h);
+          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + tb * kTile + 8 * h)));
+          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + tb * kTile + 8 * h)));
           for (int r = 0; r < kRows; ++r) {
             if (r >= rows) break;
             const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + (r0 + r) * K + b * kBlock);
@@ -183,8 +218,8 @@ void tiles_avx2(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_t*
   }
 }
 
-using TilesFn = void (*)(const Q8Rows&, int64_t, int64_t, int64_t, const uint8_t*, const float*, const float*,
-                         float*, int64_t, int64_t);
+using TilesFn = void (*)(const Q8Rows&, int64_t, int64_t, int64_t, const uint8_t*, const uint16_t*,
+                         const uint16_t*, float*, int64_t, int64_t);
 using QuantizeFn = void (*)(const float*, int64_t, int64_t, int8_t*, float*, float*);
 
 struct Dispatch {
@@ -202,7 +237,7 @@ Dispatch pick() {
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   if (avx512 && (cap == nullptr || std::strcmp(cap, "avx512vnni") == 0))
     return {"avx512vnni", tiles_avx512, quantize_avx512};
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (avx2 && __builtin_cpu_supports("avxvnni") && allowed("avxvnni"))
     return {"avxvnni", tiles_avx2<true>, quantize_portable};
   if (avx2 && allowed("avx2")) return {"avx2", tiles_avx2<false>, quantize_portable};
@@ -222,8 +257,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q8, float* scal
   dispatch().quantize(x, M, K, q8, scale, sum);
 }
 
-void q4_1_tiles(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const float* scales,
-                const float* mins, float* y, int64_t tile_begin, int64_t tile_end) {
+void q4_1_tiles(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const uint16_t* scales,
+                const uint16_t* mins, float* y, int64_t tile_begin, int64_t tile_end) {
   dispatch().tiles(x, M, K, N, packed, scales, mins, y, tile_begin, tile_end);
 }
 

@@ -10,7 +10,7 @@
 //   packed [N/16][K/32][256] bytes: byte 64*g + 4*c + i holds q[c][4g+i] (low nibble) and q[c][16+4g+i]
 //   (high nibble) for column c of the tile, g in 0..3, i in 0..3 -- so one 64-byte load feeds 16 columns'
 //   4-wide u8 x s8 dot products (vpdpbusd) twice;
-//   scales and mins [N/16][K/32][16] float.
+//   scales and mins [N/16][K/32][16] IEEE half floats, as GGUF stores a Q4_1 block's d and m.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -34,7 +34,7 @@ const char* q4_1_isa();
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q8, float* scale, float* sum);
 
 // y[m][n] for column tiles [tile_begin, tile_end), every row; y has row stride N.
-void q4_1_tiles(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const float* scales,
-                const float* mins, float* y, int64_t tile_begin, int64_t tile_end);
+void q4_1_tiles(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, const uint16_t* scales,
+                const uint16_t* mins, float* y, int64_t tile_begin, int64_t tile_end);
 
 }  // namespace specair
