@@ -383,18 +383,24 @@ def measure_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
     return nbytes / best
 
 
-def weight_bytes_per_token(model: Any) -> int:
+def weight_bytes_per_token(model: Any, quantization: Any = None) -> int:
     """Bytes of weights one decode step reads: every parameter, except an untied embedding table (a decode
-    step reads one row of it; a tied one is the LM head and is read whole)."""
+    step reads one row of it; a tied one is the LM head and is read whole); with weight-only `quantization`
+    (compile/quantize.Quantization), every linear layer's weight, the LM head included, as it stores them."""
+    import torch
+
     skip = set() if model.output is None else {id(model.tok_embeddings.weight)}
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    linear.add(id(model.tok_embeddings.weight if model.output is None else model.output.weight))
     seen: set[int] = set()
-    total = 0
+    total = 0.0
     for p in model.parameters():
         if id(p) in seen or id(p) in skip:
             continue
         seen.add(id(p))
-        total += p.numel() * p.element_size()
-    return total
+        quantized = quantization is not None and id(p) in linear
+        total += p.numel() * (quantization.bytes_per_weight if quantized else p.element_size())
+    return int(total)
 
 
 def gguf_bytes_per_token(path: str | os.PathLike) -> int:
@@ -704,7 +710,9 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     floor: dict[str, Any] = {"read_bandwidth_GB_s": bw / 1e9, "method": "best of 5 torch.sum over a 512 MiB fp32 "
                              "buffer, with the benchmark's torch threads, before and after the runs; the higher",
                              "read_bandwidth_GB_s_start_end": [bw_start / 1e9, bw_end / 1e9]}
-    floor["weight_bytes_per_token"] = weight_bytes_per_token(ref_runner.llm.engine.target)
+    engine = ref_runner.llm.engine
+    floor["weight_bytes_per_token"] = weight_bytes_per_token(engine.target,
+                                                             getattr(engine.graphs.backend, "quantization", None))
     floor["floor_tokens_per_s"] = bw / floor["weight_bytes_per_token"]
     floor["floor_ms_per_token"] = 1e3 / floor["floor_tokens_per_s"]
     llama_entry = next((e for e in entries if e.engine == "llama.cpp"), None)

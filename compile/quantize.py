@@ -91,6 +91,13 @@ class Quantization:
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def bytes_per_weight(self) -> float:
+        """Bytes a linear layer's weight takes as this scheme stores it: the codes, and per block a scale and
+        a zero point (MatMulNBits: float32 and 4 bits) or Q4_1's float16 scale and minimum (specair's kernel)."""
+        extra = 4 if self.kernel != "MatMulNBits" else 4 + (0 if self.symmetric else self.bits / 8)
+        return self.bits / 8 + extra / self.block_size
+
 
 SCHEMES = {
     "int4": Quantization("int4", "MatMulNBits", 4, 32, symmetric=False, accuracy_level=4),

@@ -215,3 +215,30 @@ def test_artifact_configurations_take_their_plan_from_the_manifest(tiny_with_tok
                                                                            "num_speculative_tokens": 3}}])
     with pytest.raises(InputError, match="manifest"):
         bench.parse_configs([{"artifacts": str(art), "backend": "onnx"}])
+
+
+def test_bandwidth_floor_counts_the_weights_as_the_reference_stores_them(tmp_path):
+    """fp32: every parameter at 4 bytes (a tied table read whole as the LM head); int4 on specair's kernel: each
+    linear weight, the tied head included, at 4 bits plus a float16 scale and minimum per 32."""
+    import dataclasses
+
+    import torch
+    from helpers import save_tiny
+
+    from specair.compile.quantize import SCHEMES, parse_quantize
+    from specair.models.checkpoint import load_checkpoint
+    from specair.models.llama import build_model
+
+    save_tiny("llama-tied", tmp_path)
+    ckpt = load_checkpoint(tmp_path, progress=False)
+    model = build_model(ckpt.config, ckpt.state_dict)
+    assert model.output is None
+    params = {id(p): p for p in model.parameters()}.values()
+    assert bench.weight_bytes_per_token(model) == 4 * sum(p.numel() for p in params)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    table = model.tok_embeddings.weight.numel()
+    rest = sum(p.numel() for p in params) - linear - table
+    q4 = dataclasses.replace(SCHEMES["int4"], kernel="MatMulQ4_1")
+    assert q4.bytes_per_weight == 0.625 and SCHEMES["int8"].bytes_per_weight == 1.125
+    assert bench.weight_bytes_per_token(model, q4) == int(0.625 * (linear + table) + 4 * rest)
+    assert parse_quantize("int4").bytes_per_weight in (0.625, 0.640625)  # specair's kernel, or MatMulNBits
