@@ -32,6 +32,7 @@ from specair.benchmarks.report import (BatchRun, Entry, Sample, markdown_report,
                                        summarize, write_json)
 from specair.models.errors import InputError
 from specair.runtime.params import SamplingParams
+from specair.runtime.prompts import read_prompt_file
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"  # package data, also in a wheel install
@@ -46,27 +47,9 @@ DEFAULT_SPECS: list[dict[str, Any]] = [{"method": "ngram", "num_speculative_toke
 
 
 def load_prompt_set(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Records of a JSONL prompt file: {"messages": [{"role", "content"}, ...]} (chat turns) or {"prompt": text},
-    optionally with "id" and "category"."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise InputError(f"cannot read prompts file {path}: {e.strerror}") from None
-    out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        msgs = rec.get("messages") if isinstance(rec, dict) else None
-        ok_msgs = isinstance(msgs, list) and msgs and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs)
-        if not (ok_msgs or isinstance(rec, dict) and isinstance(rec.get("prompt"), str)):
-            raise InputError(f'{path}:{n}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}} '
-                             f'or {{"prompt": "..."}}')
-        out.append({"id": rec.get("id", f"prompt-{len(out) + 1}"), "category": rec.get("category", ""), **rec})
+    """Records of a prompt file (`runtime.prompts`), each with an "id" and a "category" ("" if it has none)."""
+    out = [{"id": rec.get("id", f"prompt-{i + 1}"), "category": rec.get("category", ""), **rec}
+           for i, (_, rec) in enumerate(read_prompt_file(path))]
     if not out:
         raise InputError(f"{path} holds no prompts")
     return out

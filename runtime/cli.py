@@ -14,6 +14,7 @@ from specair.compile.quantize import QUANTIZE_CHOICES
 from specair.models.errors import InputError, SpecairError
 
 from specair.runtime.build import DTYPES, log
+from specair.runtime.prompts import read_prompt_file
 
 
 def read_prompts(args: argparse.Namespace, tokenizer: Any) -> Iterator[list[int]]:
@@ -33,7 +34,7 @@ def read_prompts(args: argparse.Namespace, tokenizer: Any) -> Iterator[list[int]
         records: list[dict] = [{"messages": [{"role": "user", "content": args.prompt}]} if args.chat
                                else {"prompt": args.prompt}]
     else:
-        records = list(_read_jsonl(args.prompts))
+        records = [rec for _, rec in read_prompt_file(args.prompts)]
     for rec in records:
         if "messages" in rec:
             yield tokenizer.encode_chat(rec["messages"])
@@ -41,28 +42,6 @@ def read_prompts(args: argparse.Namespace, tokenizer: Any) -> Iterator[list[int]
             yield tokenizer.encode_chat([{"role": "user", "content": rec["prompt"]}])
         else:
             yield tokenizer.encode(rec["prompt"])
-
-
-def _read_jsonl(path: str) -> Iterator[dict]:
-    try:
-        lines = open(path, encoding="utf-8").read().splitlines()
-    except OSError as e:
-        raise InputError(f"cannot read prompts file {path}: {e.strerror}") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        ok_prompt = isinstance(rec, dict) and isinstance(rec.get("prompt"), str)
-        ok_msgs = isinstance(rec, dict) and isinstance(rec.get("messages"), list) and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in rec["messages"])
-        if not (ok_prompt or ok_msgs):
-            raise InputError(f'{path}:{n}: expected {{"prompt": "..."}} or '
-                             f'{{"messages": [{{"role": ..., "content": ...}}, ...]}}')
-        yield rec
 
 
 def _sampling(args: argparse.Namespace):

@@ -129,6 +129,30 @@ def test_bad_prompt_file_is_refused(tmp_path):
         bench.load_prompt_set(bad)
 
 
+def test_one_prompt_file_reader_for_generate_bench_and_training(tmp_path):
+    """`runtime.prompts.read_prompt_file` is what `specair generate --prompts`, `specair bench` and
+    `specair train` read: blank lines skipped, line numbers kept, every record checked, chat-only where asked."""
+    from specair.runtime.prompts import read_prompt_file
+    from specair.training.prompt_set import load_prompts
+
+    chat = '{"messages": [{"role": "user", "content": "hi"}], "category": "c"}'
+    f = tmp_path / "p.jsonl"
+    f.write_text(f'{chat}\n\n{{"prompt": "text"}}\n')
+    assert [(n, sorted(r)) for n, r in read_prompt_file(f)] == [(1, ["category", "messages"]), (3, ["prompt"])]
+    with pytest.raises(InputError, match=r"p.jsonl:3: expected \{\"messages\"") as e:
+        read_prompt_file(f, chat_only=True)
+    assert "prompt" not in str(e.value).split("expected")[1]
+    with pytest.raises(InputError, match="p.jsonl:3"):
+        load_prompts(f)
+    assert [r["id"] for r in bench.load_prompt_set(f)] == ["prompt-1", "prompt-2"]
+    for bad, where in (('{"messages": []}', "p.jsonl:1"), ("[1, 2]", "p.jsonl:1"), ("{", "not valid JSON")):
+        f.write_text(bad + "\n")
+        with pytest.raises(InputError, match=where):
+            read_prompt_file(f)
+    with pytest.raises(InputError, match="cannot read prompts file"):
+        read_prompt_file(tmp_path / "missing.jsonl")
+
+
 @pytest.fixture(scope="module")
 def tiny_with_tokenizer(tmp_path_factory, default_hf_dir) -> Path:
     from helpers import save_tiny

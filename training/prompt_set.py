@@ -14,6 +14,7 @@ from pathlib import Path
 from collections.abc import Iterator
 
 from specair.models.errors import InputError
+from specair.runtime.prompts import read_prompt_file
 
 PROMPTS_FILE = Path(__file__).with_name("prompts.jsonl")
 CATEGORIES = ("chat", "explain", "code_write", "code_explain", "summarize", "translate", "math", "retrieval",
@@ -657,27 +658,12 @@ def load_prompts(path: str | Path | None = None, split: str | None = None) -> li
     p = Path(path) if path is not None else PROMPTS_FILE
     if split is not None and split not in SPLITS:
         raise InputError(f"split must be one of {SPLITS}, got {split!r}")
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise InputError(f"cannot read prompt set {p}: {e.strerror}") from None
     records = []
-    for n, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{p}:{n + 1}: not valid JSON ({e.msg})") from None
-        msgs = rec.get("messages") if isinstance(rec, dict) else None
-        if not (isinstance(msgs, list) and msgs and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs)):
-            raise InputError(f'{p}:{n + 1}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
-        rec = {"id": rec.get("id", n), "messages": msgs, "split": rec.get("split", "train"),
+    for n, rec in read_prompt_file(p, chat_only=True):
+        rec = {"id": rec.get("id", n - 1), "messages": rec["messages"], "split": rec.get("split", "train"),
                "category": rec.get("category", "general")}
         if rec["split"] not in SPLITS:
-            raise InputError(f"{p}:{n + 1}: split must be one of {SPLITS}, got {rec['split']!r}")
+            raise InputError(f"{p}:{n}: split must be one of {SPLITS}, got {rec['split']!r}")
         records.append(rec)
     return [r for r in records if split is None or r["split"] == split]
 
