@@ -10,11 +10,10 @@ torch's CPU `scatter_` runs element by element for bfloat16 and float16, which i
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from specair.benchmarks.int4_rows import median_us
 from specair.graphs.kv import commit_kv
 
 L, HKV, SLOTS, D = 30, 3, 1024, 64
@@ -27,17 +26,6 @@ def scatter_commit(k: torch.Tensor, v: torch.Tensor, nk: torch.Tensor, nv: torch
     v.scatter_(3, index, nv)
 
 
-def median_ms(f) -> float:
-    f()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(5):
-            f()
-        times.append((time.perf_counter() - t0) / 5 * 1e3)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -48,9 +36,9 @@ def main() -> None:
             k, v = (torch.zeros(L, B, HKV, SLOTS, D, dtype=dtype) for _ in range(2))
             nk, nv = (torch.randn(L, B, HKV, T, D).to(dtype) for _ in range(2))
             slots = torch.randint(0, SLOTS - T, (B, 1)) + torch.arange(T)
-            ours = median_ms(lambda: commit_kv(k, v, nk, nv, slots))
+            ours = median_us(lambda: commit_kv(k, v, nk, nv, slots), 5, 5) / 1e3
             ref = k.clone()
-            scatter = median_ms(lambda: scatter_commit(k, v, nk, nv, slots))
+            scatter = median_us(lambda: scatter_commit(k, v, nk, nv, slots), 5, 5) / 1e3
             assert torch.equal(ref, k)  # both write the same values
             print(f"| {str(dtype).removeprefix('torch.')} | {B} × {T} | {ours:.2f} | {scatter:.2f} |", flush=True)
 

@@ -301,6 +301,16 @@ def profile_markdown(name: str, prof: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def save(fig: Any, path: Path) -> Path:
+    """Write a figure as PNG and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_all(summary: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
     """speedup.png, acceptance.png and (with a batch sweep) batch.png; returns the files written."""
     import matplotlib
@@ -330,11 +340,7 @@ def plot_all(summary: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
     handles = [Patch(color=c, alpha=0.75, label=eng) for eng, c in colors.items()
                if any(m["engine"] == eng for m in summary.values())]
     ax2.legend(handles=handles, loc="lower right", fontsize=8)
-    fig.tight_layout()
-    p = out_dir / "speedup.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
+    written.append(save(fig, out_dir / "speedup.png"))
 
     acc = {n: m["acceptance_by_position"] for n, m in summary.items() if m["acceptance_by_position"]}
     if acc:
@@ -347,11 +353,7 @@ def plot_all(summary: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
         ax.set_ylim(0, 1.02)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        p = out_dir / "acceptance.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
+        written.append(save(fig, out_dir / "acceptance.png"))
 
     batched = {n: m["batch"] for n, m in summary.items() if len(m["batch"]) > 1}
     if batched:
@@ -366,9 +368,5 @@ def plot_all(summary: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
         ax.set_ylabel("tokens/s, all requests")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        p = out_dir / "batch.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
+        written.append(save(fig, out_dir / "batch.png"))
     return written

@@ -9,9 +9,10 @@ the plain decode step) and feed the next catch-up. Drafting itself is the draft 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+from specair.models.eagle import load_eagle
+from specair.models.eagle3 import load_eagle3
 from specair.runtime.proposers.base import HeadProposer, register
 from specair.runtime.proposers.draft_model import CachedDraft
 
@@ -23,11 +24,7 @@ class Eagle(CachedDraft, HeadProposer):
     reads_hidden = True
     shipped = "eagle"
 
-    @staticmethod
-    def loader(path: Path, target: Any) -> Any:
-        from specair.models.eagle import load_eagle
-
-        return load_eagle(path, target)
+    loader = staticmethod(load_eagle)
 
 
 @register
@@ -35,11 +32,7 @@ class Eagle3(Eagle):
     method = "eagle3"
     shipped = "eagle3"
 
-    @staticmethod
-    def loader(path: Path, target: Any) -> Any:
-        from specair.models.eagle3 import load_eagle3
-
-        return load_eagle3(path, target)
+    loader = staticmethod(load_eagle3)
 
     @classmethod
     def target_view(cls, target: Any, draft: Any) -> Any:

@@ -3,15 +3,13 @@ candidates fill a static tree in one small graph (no cache, no draft loop)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 from specair.compile.catalog import Catalog, GraphSpec
 from specair.compile.graph_def import GraphKey
 from specair.compile.plan import Plan
 from specair.compile.spec_config import SpeculativeConfig, TreeShape
 from specair.graphs.heads import medusa_tree
 from specair.models.errors import InputError
+from specair.models.medusa import load_medusa
 from specair.runtime.proposers.base import LastHiddenHead, Proposal, Step, register
 
 
@@ -21,11 +19,7 @@ class Medusa(LastHiddenHead):
     shipped = "medusa"
     lookahead_key = "medusa_num_heads"
 
-    @staticmethod
-    def loader(path: Path, target: Any) -> Any:
-        from specair.models.medusa import load_medusa
-
-        return load_medusa(path, target)
+    loader = staticmethod(load_medusa)
 
     @classmethod
     def check_tree(cls, config: SpeculativeConfig, tree: TreeShape) -> None:

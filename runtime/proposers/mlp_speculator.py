@@ -3,15 +3,13 @@ state, each sampling one token and feeding it to the next (no cache)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 from specair.compile.catalog import Catalog, GraphSpec
 from specair.compile.graph_def import GraphKey
 from specair.compile.plan import Plan
 from specair.compile.spec_config import SpeculativeConfig, TreeShape
 from specair.graphs.heads import mlp_speculator_chain
 from specair.models.errors import InputError
+from specair.models.mlp_speculator import load_mlp_speculator
 from specair.runtime.proposers.base import LastHiddenHead, Proposal, Step, register
 
 
@@ -20,11 +18,7 @@ class MLPSpeculatorProposer(LastHiddenHead):
     method = "mlp_speculator"
     lookahead_key = "n_predict"
 
-    @staticmethod
-    def loader(path: Path, target: Any) -> Any:
-        from specair.models.mlp_speculator import load_mlp_speculator
-
-        return load_mlp_speculator(path, target)
+    loader = staticmethod(load_mlp_speculator)
 
     @classmethod
     def check_tree(cls, config: SpeculativeConfig, tree: TreeShape) -> None:
