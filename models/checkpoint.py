@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from specair.models.config import ModelConfig
+from specair.models.config import ModelConfig, read_json_object
 from specair.models.errors import ModelFormatError
 from specair.models.tokenizer import Tokenizer
 
@@ -167,13 +167,7 @@ def load_hf_dir(directory: str | os.PathLike, dtype: torch.dtype = torch.float32
         raise ModelFormatError(f"{d}: no such directory")
     if not (d / "config.json").is_file():
         raise ModelFormatError(f"{d}: no config.json; an HF model directory needs config.json and model.safetensors")
-    try:
-        raw_cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFormatError(f"{d / 'config.json'}: not valid JSON ({e})") from None
-    if not isinstance(raw_cfg, dict):
-        raise ModelFormatError(f"{d / 'config.json'}: expected a JSON object")
-    cfg = ModelConfig.from_hf(raw_cfg)
+    cfg = ModelConfig.from_hf(read_json_object(d / "config.json"))
     files = _safetensors_files(d)
 
     sd: dict[str, torch.Tensor] = {}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from specair.models.errors import ModelFormatError
@@ -120,3 +122,14 @@ class ModelConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding one object (config.json, tokenizer_config.json, ...); ModelFormatError otherwise."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{path}: expected a JSON object")
+    return data

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from specair.models import memory
-from specair.models.config import ModelConfig
+from specair.models.config import ModelConfig, read_json_object
 from specair.models.errors import ModelFormatError
 from specair.models.llama import AttentionInputs, Block, ModelOutput, Transformer, vocab_logits
 
@@ -252,13 +252,7 @@ def read_config(directory: Path) -> dict | None:
     f = directory / "config.json"
     if not f.is_file():
         return None
-    try:
-        cfg = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFormatError(f"{f}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ModelFormatError(f"{f}: expected a JSON object")
-    return cfg
+    return read_json_object(f)
 
 
 def save_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from specair.models.config import read_json_object
 from specair.models.errors import InputError, ModelFormatError
 
 if TYPE_CHECKING:
@@ -59,16 +60,6 @@ def _special_content(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFormatError(f"{path}: cannot read JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ModelFormatError(f"{path}: expected a JSON object")
-    return data
 
 
 class Tokenizer:
@@ -194,7 +185,7 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise ModelFormatError(f"{d / 'tokenizer.json'}: cannot load tokenizer ({e})") from None
-        cfg = _read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
+        cfg = read_json_object(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
 
         def token_id(key: str) -> int | None:
             content = _special_content(cfg.get(key))
@@ -205,7 +196,7 @@ class Tokenizer:
         eos = [token_id("eos_token")]
         for name in ("generation_config.json", "config.json"):
             if (d / name).is_file():
-                value = _read_json(d / name).get("eos_token_id")
+                value = read_json_object(d / name).get("eos_token_id")
                 eos += value if isinstance(value, list) else [value]
         eos_ids = [int(i) for i in eos if isinstance(i, int)]
 

@@ -58,7 +58,9 @@ def test_metadata(ours):
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_matches_transformers(ours, hf, text):
-    assert ours.encode(text) == hf.encode(text, add_special_tokens=True)
+    # The text's own tokens; whether BOS goes first follows the GGUF's add_bos_token (test_metadata), which
+    # transformers 5.5.4 (what the peers extra installs) does not follow when converting this file.
+    assert ours.encode(text) == hf.encode(text, add_special_tokens=False)
     assert ours.decode(ours.encode(text)) == hf.decode(hf.encode(text), skip_special_tokens=True)
 
 
