@@ -161,26 +161,34 @@ class Catalog:
         return GraphSpec(decode_step, {"target": self.target}, {"ctx": key.ctx, "variant": key.variant}, inputs,
                          ["next_tokens", "logits", "hidden", "new_k", "new_v"])
 
+    def verify_inputs(self, key: GraphKey, tree_tokens: Tensor, root_pos: Tensor, caches: dict[str, Tensor],
+                      parents: Tensor | None, uniforms: Tensor, sampling: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The named inputs of verify graph `key`, of those given: parents for a dynamic tree, the uniforms
+        for exact acceptance, the sampling parameters unless greedy."""
+        inputs = {"tree_tokens": tree_tokens, "root_pos": root_pos, **caches}
+        if self.plan.trees[key.shape].dynamic:
+            inputs["parents"] = parents
+        if key.method == "exact":
+            inputs["uniforms"] = uniforms
+        if key.method != "greedy":
+            inputs.update(sampling)
+        return inputs
+
     def _verify(self, key: GraphKey) -> GraphSpec:
         spec, tree = self.plan.speculative, self.plan.trees[key.shape]
         B, T, D = key.batch, tree.num_nodes, tree.depth
-        inputs = {"tree_tokens": self.zeros(B, T), "root_pos": self.zeros(B), **self.caches(self.target, B)}
+        # A K-ary heap: a valid tree of T nodes within the tree's depth and width.
+        heap = (torch.arange(T, dtype=L, device=self.device) - 1).div(tree.max_width, rounding_mode="floor")
+        inputs = self.verify_inputs(key, self.zeros(B, T), self.zeros(B), self.caches(self.target, B),
+                                    heap.expand(B, -1).contiguous(), self.uniforms(B, D + 1), self.sampling(B))
         static: dict[str, Any] = {"ctx": key.ctx, "acceptance": key.method, "max_depth": D,
                                   "max_width": tree.max_width, "filtered": key.variant == "filtered"}
-        if tree.dynamic:
-            # A K-ary heap: a valid tree of T nodes within the tree's depth and width.
-            heap = (torch.arange(T, dtype=L, device=self.device) - 1).div(tree.max_width, rounding_mode="floor")
-            inputs["parents"] = heap.expand(B, -1).contiguous()
-        else:
+        if not tree.dynamic:
             buf = tree.template.buffers()
             static["tree"] = self.on_device(buf)
             static["chain"] = bool((buf.parents == torch.arange(T) - 1).all())
             if spec.scorer == "batch_expansion":
                 static["expansion"] = self.on_device(leaf_paths(buf.paths, buf.children))
-        if key.method == "exact":
-            inputs["uniforms"] = self.uniforms(B, D + 1)
-        if key.method != "greedy":
-            inputs.update(self.sampling(B))
         if key.method == "typical":
             static.update(posterior_threshold=spec.posterior_threshold, posterior_alpha=spec.posterior_alpha)
         return GraphSpec(verify_and_accept, {"target": self.target}, static, inputs,

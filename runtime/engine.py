@@ -370,14 +370,8 @@ class Engine:
         step = Step(B, shape, tree, self.rows, ctx, variant, st.sampling(B), st.tokens[:B], root_pos, drafted)
         prop = self.proposer.propose(step)
         key = self.catalog.verify_key(B, ctx, variant, shape)
-        inputs = {"tree_tokens": prop.tokens, "root_pos": root_pos, **self.kv["target"]}
-        if tree.dynamic:
-            inputs["parents"] = prop.parents
-        if key.method == "exact":
-            inputs["uniforms"] = uniforms
-        if key.method != "greedy":
-            inputs.update(step.sampling)
-        out = self.graphs(key, **inputs)
+        out = self.graphs(key, **self.catalog.verify_inputs(key, prop.tokens, root_pos, self.kv["target"], prop.parents,
+                                                             uniforms, step.sampling))
         self.kv.commit("target", out["path_k"], out["path_v"],
                        root_pos.unsqueeze(1) + torch.arange(D + 1, device=self.device))
         n_acc = out["num_accepted"]
