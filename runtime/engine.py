@@ -111,7 +111,8 @@ class Engine:
     def load_graphs(self, params: SamplingParams) -> int:
         """Load now the compiled graphs that requests sampling like `params` run (onnxruntime makes a session
         per graph, ~0.1 s each), so no load lands inside the first request; returns how many loaded."""
-        return self.graphs.load_pending((self.plan.variant_for(sampling_variant([params.temperature], [params.top_k], [params.top_p])),))
+        wanted = sampling_variant([params.temperature], [params.top_k], [params.top_p])
+        return self.graphs.load_pending((self.plan.variant_for(wanted),))
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -370,8 +371,9 @@ class Engine:
         step = Step(B, shape, tree, self.rows, ctx, variant, st.sampling(B), st.tokens[:B], root_pos, drafted)
         prop = self.proposer.propose(step)
         key = self.catalog.verify_key(B, ctx, variant, shape)
-        out = self.graphs(key, **self.catalog.verify_inputs(key, prop.tokens, root_pos, self.kv["target"], prop.parents,
-                                                             uniforms, step.sampling))
+        inputs = self.catalog.verify_inputs(key, prop.tokens, root_pos, self.kv["target"], prop.parents, uniforms,
+                                            step.sampling)
+        out = self.graphs(key, **inputs)
         self.kv.commit("target", out["path_k"], out["path_v"],
                        root_pos.unsqueeze(1) + torch.arange(D + 1, device=self.device))
         n_acc = out["num_accepted"]

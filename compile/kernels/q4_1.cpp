@@ -33,7 +33,13 @@ inline float half_to_float(uint16_t h) {  // IEEE binary16, exactly (subnormals 
   return f;
 }
 
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+// Block tb + kAhead of a tile's packed codes, scales and minima (tb = tile * K/32 + block).
+inline void prefetch_ahead(const uint8_t* packed, const uint16_t* scales, const uint16_t* mins, int64_t tb) {
+  const int64_t next = tb + kAhead;
+  for (int g = 0; g < 4; ++g) _mm_prefetch(reinterpret_cast<const char*>(packed + next * 256 + 64 * g), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(scales + next * kTile), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(mins + next * kTile), _MM_HINT_T0);
+}
 
 inline float block_scale(float amax) { return amax / 127.0f; }
 inline float block_inverse(float amax) { return amax > 0.0f ? 127.0f / amax : 0.0f; }
@@ -118,11 +124,7 @@ void tiles_avx512(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t tb = t * nb + b;
         const uint8_t* w = packed + tb * 256;
-        if (r0 == 0) {
-          for (int g = 0; g < 4; ++g) prefetch(w + kAhead * 256 + 64 * g);
-          prefetch(scales + (tb + kAhead) * kTile);
-          prefetch(mins + (tb + kAhead) * kTile);
-        }
+        if (r0 == 0) prefetch_ahead(packed, scales, mins, tb);
         __m512i lo[4], hi[4];
         for (int g = 0; g < 4; ++g) {
           const __m512i v = _mm512_loadu_si512(w + 64 * g);
@@ -177,11 +179,7 @@ void tiles_avx2(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_t*
         for (int64_t b = 0; b < nb; ++b) {
           const int64_t tb = t * nb + b;
           const uint8_t* w = packed + tb * 256 + 32 * h;
-          if (r0 == 0 && h == 0) {
-            for (int g = 0; g < 4; ++g) prefetch(w + kAhead * 256 + 64 * g);
-            prefetch(scales + (tb + kAhead) * kTile);
-            prefetch(mins + (tb + kAhead) * kTile);
-          }
+          if (r0 == 0 && h == 0) prefetch_ahead(packed, scales, mins, tb);
           __m256i lo[4], hi[4];
           for (int g = 0; g < 4; ++g) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * g));
