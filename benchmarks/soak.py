@@ -1,7 +1,9 @@
 """`specair soak`: a real `specair serve` under N concurrent clients for M minutes.
 
-    specair soak [--clients 16] [--minutes 10] [--speculative-config JSON] [--max-context 8192]
-                 [--batch-buckets 1,2,4,8] [--backend eager] [--no-fuzz] [--out DIR]
+    specair soak [--clients 16] [--minutes 10] [--speculative-config JSON] [--max-context N]
+                 [--batch-buckets 1,2,4,8] [--backend NAME] [--no-fuzz] [--out DIR]
+
+Serving options left out are `specair serve`'s defaults.
 
 Before the load, every prompt of a fixed pool runs alone, greedy and seeded (temperature 0.8, top-p 0.95),
 through the same server: those are the references. Then each client loops, choosing at random:
@@ -216,11 +218,11 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
-    cmd = [sys.executable, "-m", "specair.runtime.server", "--port", str(port), "--max-context",
-           str(args.max_context), "--batch-buckets", args.batch_buckets, "--backend", args.backend,
-           "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "specair.runtime.server", "--port", str(port), "--log-level", "warning"]
     for flag, value in (("--model", args.model), ("--speculative-config", args.speculative_config),
-                        ("--threads", args.threads), ("--artifacts", args.artifacts)):
+                        ("--backend", args.backend), ("--max-context", args.max_context),
+                        ("--batch-buckets", args.batch_buckets), ("--threads", args.threads),
+                        ("--artifacts", args.artifacts)):
         if value:
             cmd += [flag, str(value)]
     server = subprocess.Popen(cmd, stdout=open(out / "server.log", "w"), stderr=subprocess.STDOUT)
@@ -334,11 +336,12 @@ def add_soak_parser(subparsers: Any) -> None:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--minutes", type=float, default=10)
     p.add_argument("--model")
+    # Unset serving options are left to `specair serve`'s defaults, so a bare `specair soak` soaks a bare serve.
     p.add_argument("--speculative-config", metavar="JSON")
-    p.add_argument("--backend", default="eager")
+    p.add_argument("--backend")
     p.add_argument("--artifacts", metavar="DIR", help="serve from a `specair compile` directory (its plan and backend)")
-    p.add_argument("--max-context", type=int, default=8192)
-    p.add_argument("--batch-buckets", default="1,2,4,8")
+    p.add_argument("--max-context", type=int)
+    p.add_argument("--batch-buckets")
     p.add_argument("--threads", type=int)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), metavar="FILE.jsonl")

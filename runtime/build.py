@@ -179,11 +179,14 @@ def auto_spec(be: Any, dtype: str, batch_buckets: tuple[int, ...]) -> Speculativ
     return parse_spec(AUTO_SPEC)
 
 
-def auto_backend(model: str | None, quantize: str | None = None) -> tuple[str, str | None]:
+def auto_backend(model: str | None, quantize: str | None = None, dtype: str = "fp32") -> tuple[str, str | None]:
     """What `--backend auto` runs: onnxruntime where it is installed (else eager), with the default model's
-    Q4_1 weights read exactly as int4 (`--quantize` overrides; other checkpoints keep float weights)."""
+    Q4_1 weights read exactly as int4 (`--quantize` overrides; other checkpoints keep float weights).
+    Other dtypes than fp32 run eager: the compiled path's kernels and its measurements are fp32's."""
     from specair.compile.backends.onnx import OnnxBackend
 
+    if dtype != "fp32":
+        return "eager", None
     try:  # the class's check: an instance would size onnxruntime's process-wide thread pool before --threads
         OnnxBackend.check_available()
     except BackendUnavailable:
@@ -248,7 +251,7 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
         return _rank_engine(model, dtype, spec, backend, max_context, threads, tuple(batch_buckets), max_waiting,
                             name, quantize, device, tp)
     if artifacts is None and backend == AUTO:
-        backend, quantize = auto_backend(model, quantize)
+        backend, quantize = auto_backend(model, quantize, dtype)
         if backend != "eager":
             be = get_backend(backend, threads, quantize=quantize)
             spec = auto_spec(be, dtype, batch_buckets) if spec_auto else spec
@@ -302,7 +305,9 @@ def _tensor_parallel_engine(kwargs: dict[str, Any], world: int) -> Engine:
                          "shard's graphs into specair's cache; pass --backend instead")
     if kwargs["features"] is not None:
         raise InputError("recording features (distillation) runs on one process; drop --tensor-parallel-size")
-    backend = TP_AUTO_BACKEND if kwargs["backend"] == AUTO else kwargs["backend"] or "eager"
+    backend = kwargs["backend"] or "eager"
+    if backend == AUTO:
+        backend = TP_AUTO_BACKEND if kwargs["dtype"] == "fp32" else "eager"
     cls = type(get_backend(backend, kwargs["threads"], quantize=kwargs["quantize"]))
     if not cls.tensor_parallel:
         raise InputError(f"the {backend} backend cannot run tensor-parallel: {cls.tensor_parallel_why}; use "

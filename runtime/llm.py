@@ -7,7 +7,7 @@ from typing import Any, Iterator, Sequence
 from tqdm import tqdm
 
 from specair.models.errors import InputError
-from specair.runtime.build import open_engine
+from specair.runtime.build import AUTO, open_engine
 from specair.runtime.engine import Engine
 from specair.runtime.params import GenerationResult, SamplingParams, StreamEvent
 
@@ -23,8 +23,8 @@ class LLM:
     >>> llm.chat([{"role": "user", "content": "Hi!"}])[0].text
     """
 
-    def __init__(self, model: str | None = None, speculative_config: dict | str | None = None, *,
-                 backend: str = "eager", artifacts: str | None = None, dtype: str = "fp32",
+    def __init__(self, model: str | None = None, speculative_config: dict | str | None = AUTO, *,
+                 backend: str = AUTO, artifacts: str | None = None, dtype: str = "fp32",
                  max_context: int | None = None, batch_buckets: tuple[int, ...] = (1, 2, 4, 8),
                  threads: int | None = None, max_waiting: int = 64, quantize: str | None = None,
                  device: str | None = None, features: tuple[int, ...] | None = None,

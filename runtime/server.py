@@ -580,7 +580,7 @@ def _buckets_up_to(n: int) -> tuple[int, ...]:
 
 def add_serve_parser(subparsers: Any) -> None:
     """Register `specair serve` on the CLI's subparsers."""
-    from specair.runtime.build import DTYPES
+    from specair.runtime.build import AUTO, DTYPES
 
     p = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API with Prometheus metrics",
                               description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, "
@@ -588,15 +588,22 @@ def add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", help="HF checkpoint dir, GGUF file or llama2.c .bin (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--speculative-config", metavar="JSON",
-                   help='e.g. \'{"method": "layer_skip", "num_layers": 8, "num_speculative_tokens": 4}\'')
-    p.add_argument("--backend", help="compile graphs with this backend as they are first needed (default eager)")
+    p.add_argument("--speculative-config", metavar="JSON", default=AUTO,
+                   help='e.g. \'{"method": "layer_skip", "num_layers": 8, "num_speculative_tokens": 4}\'; default '
+                        'auto: n-gram prompt lookup where the graphs are row-independent and one sequence runs '
+                        '(--batch-buckets 1), plain decoding elsewhere; none: plain decoding')
+    p.add_argument("--backend", default=AUTO,
+                   help="auto (default): the fastest configuration here (onnxruntime, the default model's weights as "
+                        "exact int4; inductor with --tensor-parallel-size), compiled once into specair's cache for "
+                        "these batch buckets and loaded afterwards; or eager, inductor, aoti, onnx, cuda, npu: "
+                        "graphs compiled as they are first needed")
     p.add_argument("--device", help="where models, caches and graph inputs live (default: the backend's device: cpu, cuda for the cuda backend, npu for npu)")
     p.add_argument("--artifacts", metavar="DIR", help="serve from a `specair compile` directory, compiling nothing")
     p.add_argument("--quantize", choices=("none", "int4", "int8"),
                    help="onnx backend: weight-only quantization of every linear layer and the LM head")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--max-context", type=int, help="tokens of context per sequence (default: the model's)")
+    p.add_argument("--max-context", type=int,
+                   help="tokens of context per sequence (default: the model's; 2048 with --backend auto)")
     p.add_argument("--threads", type=int, help="CPU threads for torch and onnxruntime")
     p.add_argument("--batch-buckets", type=_int_list, metavar="1,2,4,8",
                    help="batch buckets; the largest is the number of concurrent sequences (default 1,2,4,8)")
@@ -631,13 +638,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              f"{','.join(map(str, args.batch_buckets))}, whose largest is the number of sequences")
         buckets = args.batch_buckets or _buckets_up_to(args.max_num_seqs)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    extra = {"backend": args.backend} if args.backend else {}
-    if args.quantize:
-        extra["quantize"] = args.quantize
-    llm = LLM(args.model, args.speculative_config, artifacts=args.artifacts, dtype=args.dtype,
-              max_context=args.max_context, batch_buckets=buckets, threads=args.threads,
-              max_waiting=args.max_waiting, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes, **extra)
+    llm = LLM(args.model, args.speculative_config, backend=args.backend, artifacts=args.artifacts,
+              dtype=args.dtype, max_context=args.max_context, batch_buckets=buckets, threads=args.threads,
+              max_waiting=args.max_waiting, quantize=args.quantize, device=args.device,
+              tensor_parallel_size=args.tensor_parallel_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+    llm.engine.graphs.load_pending()  # every compiled graph now, so no session load lands inside a request
     app = build_app(llm.engine, served_model_name=args.served_model_name, batch_buckets=buckets,
                     model_root=args.model)
     if args.host not in ("127.0.0.1", "localhost", "::1"):

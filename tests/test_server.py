@@ -16,7 +16,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import save_tiny
+
+from specair.runtime.params import SamplingParams
 
 SPEC = {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3}
 SLOTS, MAX_WAITING, MAX_CONTEXT = 4, 2, 512
@@ -47,20 +51,17 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, default_hf_dir: Path) -> 
     return path
 
 
-@pytest.fixture(scope="module")
-def url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+@contextmanager
+def serving(args: list[str], log: Path) -> Iterator[str]:
+    """A real `specair serve` with these flags on a free port, until the block ends; yields its base URL and
+    checks it exited cleanly."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "specair.runtime.cli", "serve", "--model", str(tiny_dir), "--port", str(port),
-           "--speculative-config", json.dumps(SPEC), "--max-num-seqs", "4", "--kv-cache-memory-bytes", "256M",
-           "--max-waiting", str(MAX_WAITING),
-           "--max-context", str(MAX_CONTEXT), "--dtype", "fp64", "--served-model-name", MODEL, "--threads", "1",
-           "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "specair.runtime.cli", "serve", "--port", str(port), *args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()}")
@@ -70,7 +71,7 @@ def url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"the server did not come up in 120 s:\n{log.read_text()}")
+                pytest.fail(f"the server did not come up in 300 s:\n{log.read_text()}")
             time.sleep(0.2)
         yield base
     finally:
@@ -83,6 +84,15 @@ def url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
     # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal: -SIGTERM is a clean exit too.
     text = log.read_text()
     assert proc.returncode in (0, -signal.SIGTERM) and "Traceback" not in text, (proc.returncode, text)
+
+
+@pytest.fixture(scope="module")
+def url(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    args = ["--model", str(tiny_dir), "--speculative-config", json.dumps(SPEC), "--max-num-seqs", "4",
+            "--kv-cache-memory-bytes", "256M", "--max-waiting", str(MAX_WAITING), "--max-context", str(MAX_CONTEXT),
+            "--dtype", "fp64", "--served-model-name", MODEL, "--threads", "1", "--log-level", "warning"]
+    with serving(args, tmp_path_factory.mktemp("server") / "server.log") as base:
+        yield base
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
@@ -573,3 +583,26 @@ def test_serving_limits_are_checked_before_loading(tiny_dir: Path) -> None:
     assert r.returncode == 2 and "--max-num-seqs 4 disagrees with --batch-buckets 1,2,8" in r.stderr
     r = serve("--kv-cache-memory-bytes", "lots")
     assert r.returncode == 2 and "expected a positive size such as 4G" in r.stderr
+
+
+def test_serve_defaults_to_the_compiled_path(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`specair serve` with no flags serves the compiled path (`--backend auto`: onnxruntime, built once into
+    the cache for the server's batch buckets), batching concurrent requests, with eager decoding's greedy
+    tokens; a second start loads the cached build instead of compiling it again."""
+    from specair.runtime.llm import LLM
+
+    monkeypatch.setenv("SPECAIR_CACHE", str(tmp_path / "cache"))
+    prompts = ["The capital of France is", "Once upon a time", "def fib(n):", "Rivers of Europe:"]
+    eager = LLM(str(tiny_dir), backend="eager", max_context=128)
+    want = [r.text for r in eager.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+    for start in ("first", "second"):
+        log = tmp_path / f"{start}.log"
+        with serving(["--model", str(tiny_dir), "--max-context", "128", "--threads", "1"], log) as base:
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                outs = list(pool.map(lambda p: complete(base, prompt=p, max_tokens=12, temperature=0,
+                                                        ignore_eos=True), prompts))
+        assert [o["choices"][0]["text"] for o in outs] == want, start
+        built = "compiling" in log.read_text()
+        assert built == (start == "first"), log.read_text()
+    (art,) = (tmp_path / "cache" / "artifacts").iterdir()
+    assert art.name.startswith("onnx-")

@@ -164,7 +164,7 @@ def test_server_answers_503_and_exits_when_a_worker_dies(models, tmp_path):
     port = 18000 + os.getpid() % 1000
     log = open(tmp_path / "server.log", "wb")
     server = subprocess.Popen([sys.executable, "-m", "specair.runtime.server", "--model", str(models / "target"),
-                               "--tensor-parallel-size", "2", "--port", str(port), "--max-context", "256",
+                               "--tensor-parallel-size", "2", "--backend", "eager", "--port", str(port), "--max-context", "256",
                                "--batch-buckets", "1,2"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
