@@ -44,8 +44,7 @@ class EngineDiverged(SpecairError):
 
 @dataclass(frozen=True)
 class StepMeta:
-    """What the driver decides before a step runs, and all a tensor-parallel worker needs to run it (vLLM's
-    names for the speculation flags)."""
+    """What the driver decides before a step runs, and all a tensor-parallel worker needs to run it."""
 
     rows: tuple[str, ...]  # running requests in row order, after the aborts (a worker checks it agrees)
     aborts: tuple[str, ...] = ()
@@ -54,16 +53,6 @@ class StepMeta:
     shape: int | None = None  # the speculative shape of the decode step; None: plain decoding
     variant: str | None = None  # the sampling variant of the decode step
     chosen: bool = False  # the adaptive choice picked `shape` (None included): its speed is recorded
-    num_lookahead_slots: int = 0
-    no_spec: bool = True
-    disable_all_speculation: bool = False  # more rows than disable_by_batch_size
-    run_spec_proposer_for_prefill: bool = False
-
-    def trace(self) -> dict[str, Any]:
-        return {"rows": len(self.rows), "prefill": self.prefill, "shape": self.shape,
-                "no_spec": self.no_spec, "disable_all_speculation": self.disable_all_speculation,
-                "num_lookahead_slots": self.num_lookahead_slots,
-                "run_spec_proposer_for_prefill": self.run_spec_proposer_for_prefill}
 
 
 class Engine:
@@ -200,7 +189,7 @@ class Engine:
     def _schedule(self, aborts: tuple[str, ...]) -> StepMeta:
         """The driver's decisions for this step: whether and how the running rows speculate, which request
         prefills a chunk (a waiting one starts when a row is free)."""
-        rows, spec = self.rows, self.plan.speculative
+        rows = self.rows
         variant = shape = None
         chosen = False
         if rows:
@@ -215,15 +204,21 @@ class Engine:
             new = (s.request_id, s.prompt, replace(s.params, seed=s.req.seed))
         return StepMeta(
             rows=tuple(x.request_id for x in rows), aborts=aborts, new=new, prefill=s is not None, shape=shape,
-            variant=variant, chosen=chosen, num_lookahead_slots=0 if shape is None else self.plan.trees[shape].depth,
-            no_spec=shape is None,
-            disable_all_speculation=bool(spec and spec.disable_by_batch_size is not None
-                                         and len(rows) > spec.disable_by_batch_size),
-            run_spec_proposer_for_prefill=s is not None and spec is not None)
+            variant=variant, chosen=chosen)
+
+    def _trace_step(self, meta: StepMeta) -> dict[str, Any]:
+        """A step's decisions under vLLM's names for its speculative worker's flags (the trace
+        `SPECAIR_TP_TRACE` writes, which the tensor-parallel test reads)."""
+        spec = self.plan.speculative
+        return {"rows": len(meta.rows), "prefill": meta.prefill, "shape": meta.shape, "no_spec": meta.shape is None,
+                "disable_all_speculation": bool(spec and spec.disable_by_batch_size is not None
+                                                and len(meta.rows) > spec.disable_by_batch_size),
+                "num_lookahead_slots": 0 if meta.shape is None else self.plan.trees[meta.shape].depth,
+                "run_spec_proposer_for_prefill": meta.prefill and spec is not None}
 
     def _run(self, meta: StepMeta) -> list[StreamEvent]:
         if self.trace is not None:
-            self.trace.append({"step": meta.trace()})
+            self.trace.append({"step": self._trace_step(meta)})
         events = self._decode(meta) if self.rows else []
         if meta.prefill:
             s = self.sched.prefilling
