@@ -64,7 +64,8 @@ class Engine:
         self.plan, self.catalog = graphs.plan, graphs.catalog
         self.max_context, self.model_name = self.plan.max_context, model_name
         self.device = graphs.device
-        self.sched = Scheduler(self.plan, target.config.vocab_size, tokenizer, target.dtype, max_waiting)
+        self.rows: list[Seq] = []
+        self.sched = Scheduler(self.plan, target.config.vocab_size, tokenizer, target.dtype, max_waiting, self.rows)
         self.num_slots, self.max_waiting = self.sched.num_slots, max_waiting
         self.output = Output(eos_ids(target, tokenizer))
         roles = {"target": target}
@@ -118,10 +119,6 @@ class Engine:
         """The prompt's ids, or InputError if this engine cannot take it."""
         return self.sched.check_prompt(prompt_ids)
 
-    @property
-    def rows(self) -> list[Seq]:
-        return self.sched.rows
-
     def limit_kv_memory(self, budget: int | None) -> None:
         """Admit a waiting request only while the KV caches (every role, the prefill scratch included) would fit
         in `budget` bytes with it and every running request at its longest, prompt plus max_tokens (vLLM's
@@ -133,7 +130,7 @@ class Engine:
         def kv_bytes(seqs: list[Seq]) -> int:
             return self.kv.bytes_for([len(s.prompt) + s.budget for s in seqs], max(len(s.prompt) for s in seqs))
 
-        self.sched.kv_bytes, self.sched.kv_budget = kv_bytes, budget
+        self.sched.set_kv_budget(kv_bytes, budget)
 
     def kv_usage(self) -> tuple[int, int]:
         """(bytes of KV the running sequences' committed tokens use, bytes the KV caches hold)."""
@@ -175,7 +172,7 @@ class Engine:
         for rid in meta.aborts:
             self._abort(rid)
         if meta.new is not None:
-            self.sched.prefilling = self.sched.make_seq(*meta.new)
+            self.sched.follow_prefill(*meta.new)
         rows = tuple(s.request_id for s in self.rows)
         if rows != meta.rows:
             raise EngineDiverged(f"this rank's rows {rows} differ from the driver's {meta.rows}")
@@ -227,7 +224,7 @@ class Engine:
             except Exception as e:  # a prompt's own pass: only its request fails
                 if self.group is not None or s in self.rows:
                     raise  # ranks that disagree cannot go on; a row half inserted is not its alone
-                self.sched.prefilling = None
+                self.sched.end_prefill()
                 events.append(self._fail(s, e))
         return events
 
@@ -241,12 +238,10 @@ class Engine:
         if found is None:
             return []
         where, s, row = found
-        if where == "waiting":
-            self.sched.waiting.remove(s)
-        elif where == "prefilling":
-            self.sched.prefilling = None
-        else:
+        if where == "running":
             self._remove_row(row)
+        else:
+            self.sched.drop(s)
         return [self.output.finish(s, "abort")]
 
     # ---- rows ---------------------------------------------------------------------------------------
@@ -301,7 +296,7 @@ class Engine:
         s.prefilled += n
         if s.prefilled < len(s.prompt):
             return []
-        self.sched.prefilling = None
+        self.sched.end_prefill()
         r = s.req
         first = int(sample(out["logits"], r.temperature.to(self.device), r.top_k.to(self.device),
                            r.top_p.to(self.device), r.uniforms(len(s.prompt)).to(self.device), r.variant).item())

@@ -51,7 +51,8 @@ class Scheduler:
     """Requests from the queue to a row. `add` and `abort` are thread-safe; the rest runs on the engine's
     stepping thread."""
 
-    def __init__(self, plan: Plan, vocab_size: int, tokenizer: Any, dtype: Any, max_waiting: int) -> None:
+    def __init__(self, plan: Plan, vocab_size: int, tokenizer: Any, dtype: Any, max_waiting: int,
+                 rows: list[Seq]) -> None:
         self.plan, self.vocab_size, self.tokenizer, self.dtype = plan, vocab_size, tokenizer, dtype
         self.num_slots, self.max_waiting, self.depth = plan.batch_buckets[-1], max_waiting, plan.max_depth
         self._lock = threading.Lock()
@@ -60,10 +61,14 @@ class Scheduler:
         self._ids = itertools.count()
         self.waiting: deque[Seq] = deque()
         self.prefilling: Seq | None = None
-        self.rows: list[Seq] = []
+        self.rows = rows  # the running batch in row order: read here, changed only by the engine with its caches
         # The most bytes the KV caches hold while these sequences run, each to its longest (set with a budget).
         self.kv_bytes: Callable[[list[Seq]], int] | None = None
         self.kv_budget: int | None = None
+
+    def set_kv_budget(self, kv_bytes: Callable[[list[Seq]], int] | None, budget: int | None) -> None:
+        """Admit a request only while kv_bytes(running + it) fits in budget bytes (None: no budget)."""
+        self.kv_bytes, self.kv_budget = kv_bytes, budget
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
         """The prompt as a list of ids; InputError if it is empty, outside the vocabulary or too long."""
@@ -130,6 +135,21 @@ class Scheduler:
                 self.kv_budget is None or self.kv_bytes([*self.rows, self.waiting[0]]) <= self.kv_budget):
             self.prefilling = self.waiting.popleft()
         return self.prefilling
+
+    def follow_prefill(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        """A tensor-parallel worker: start prefilling the request the driver admitted."""
+        self.prefilling = self.make_seq(request_id, ids, params)
+
+    def end_prefill(self) -> None:
+        """The prefilling request left the queue: its last chunk ran (it has a row now) or it failed."""
+        self.prefilling = None
+
+    def drop(self, s: Seq) -> None:
+        """Forget a request that holds no row yet (waiting or prefilling), e.g. an aborted one."""
+        if s is self.prefilling:
+            self.prefilling = None
+        else:
+            self.waiting.remove(s)
 
     def find(self, rid: str) -> tuple[str, Seq, int] | None:
         """Where a request is: ("waiting" | "prefilling" | "running", its Seq, its row)."""
