@@ -29,7 +29,7 @@ class BatchState:
     def set_row(self, i: int, s: Seq) -> None:
         """Row i now holds sequence s."""
         p = s.params
-        for t, v in zip(self._fields, (s.seq[-1], s.committed, p.top_k, True, float(p.temperature), float(p.top_p))):
+        for t, v in zip(self._fields, (s.tokens[-1], s.committed, p.top_k, True, float(p.temperature), float(p.top_p))):
             t[i] = v
 
     def clear_row(self, i: int) -> None:
@@ -56,6 +56,6 @@ class BatchState:
         greedy rows (argmax reads none) and after the running rows."""
         u = torch.zeros(B, n or 1, dtype=self.udtype)
         for i, s in enumerate(rows):
-            if not s.req.greedy:
-                u[i] = s.req.uniforms(len(s.seq), n or 1)
+            if not s.sampling.greedy:
+                u[i] = s.sampling.uniforms(len(s.tokens), n or 1)
         return (u if n else u[:, 0]).to(self.device, non_blocking=True)

@@ -25,7 +25,7 @@ from specair.models.checkpoint import load_checkpoint
 from specair.models.errors import InputError
 from specair.models.llama import TensorParallel, Transformer, build_model, shard, with_features
 from specair.runtime.engine import Engine
-from specair.runtime.native import write_native
+from specair.runtime.native_manifest import write_native
 from specair.runtime.output import eos_ids
 from specair.runtime.proposers import parse_config, proposer_class
 

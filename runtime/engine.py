@@ -190,7 +190,7 @@ class Engine:
         variant = shape = None
         chosen = False
         if rows:
-            variant = self.plan.variant_for(max((s.req.variant for s in rows), key=VARIANTS.index))
+            variant = self.plan.variant_for(max((s.sampling.variant for s in rows), key=VARIANTS.index))
             if self.sched.speculates() and self.proposer.can_speculate(rows):
                 chosen = self.adaptive is not None and variant == "greedy"
                 shape = self.adaptive.choose() if chosen else 0
@@ -198,7 +198,7 @@ class Engine:
         s = self.sched.next_prefill()
         new = None
         if s is not None and waiting and self.group is not None:
-            new = (s.request_id, s.prompt, replace(s.params, seed=s.req.seed))
+            new = (s.request_id, s.prompt, replace(s.params, seed=s.sampling.seed))
         return StepMeta(
             rows=tuple(x.request_id for x in rows), aborts=aborts, new=new, prefill=s is not None, shape=shape,
             variant=variant, chosen=chosen)
@@ -248,7 +248,7 @@ class Engine:
 
     def _insert_row(self, s: Seq) -> None:
         row = len(self.rows)
-        self.kv.resize(row + 1, [len(x.seq) for x in self.rows],
+        self.kv.resize(row + 1, [len(x.tokens) for x in self.rows],
                        max([s.committed] + [x.committed for x in self.rows]))
         self.rows.append(s)
         self.kv.insert(row, s.committed)
@@ -258,14 +258,14 @@ class Engine:
         """Free row i: the last row moves into it, then the caches shrink to the smallest bucket that fits."""
         rows, last = self.rows, len(self.rows) - 1
         if i != last:
-            self.kv.move(last, i, len(rows[last].seq))
+            self.kv.move(last, i, len(rows[last].tokens))
             self.state.move_row(last, i)
             rows[i] = rows[last]
         self.kv.free(last)
         rows.pop()
         self.state.clear_row(last)
         if rows:
-            self.kv.resize(len(rows), [len(s.seq) for s in rows], max(s.committed for s in rows))
+            self.kv.resize(len(rows), [len(s.tokens) for s in rows], max(s.committed for s in rows))
         elif self.sched.prefilling is None:
             self.kv.release()
 
@@ -297,11 +297,11 @@ class Engine:
         if s.prefilled < len(s.prompt):
             return []
         self.sched.end_prefill()
-        r = s.req
+        r = s.sampling
         first = int(sample(out["logits"], r.temperature.to(self.device), r.top_k.to(self.device),
                            r.top_p.to(self.device), r.uniforms(len(s.prompt)).to(self.device), r.variant).item())
         s.t_first = time.perf_counter()
-        s.seq = list(s.prompt)
+        s.tokens = list(s.prompt)
         if self.proposer is not None:
             self.proposer.prefilled(s, out["hidden"][0, n - 1])
         _, ev = self.output.emit(s, [first])
@@ -313,7 +313,7 @@ class Engine:
 
     def _decode(self, meta: StepMeta) -> list[StreamEvent]:
         rows = self.rows  # room for the context the rows reached in the last step
-        self.kv.resize(len(rows), [len(s.seq) for s in rows], max(s.committed for s in rows))
+        self.kv.resize(len(rows), [len(s.tokens) for s in rows], max(s.committed for s in rows))
         B = self.kv.B
         self.bucket_steps[B] += 1
         shape, variant = meta.shape, meta.variant

@@ -32,7 +32,7 @@ class Output:
             if len(s.out) >= s.budget:
                 s.finish = "length"
                 break
-        s.seq.extend(taken)
+        s.tokens.extend(taken)
         if s.finish is None:
             return taken, StreamEvent(delta, taken, None, s.request_id, draft)
         ev = self.finish(s, s.finish)

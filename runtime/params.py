@@ -77,7 +77,7 @@ class StreamEvent:
     draft: tuple[int, int] | None = None  # (proposed, accepted) draft tokens when these came from one speculative step
 
 
-class Request:
+class SamplingState:
     """Per-request sampling state the engine reads: sampling tensors and the seed (drawn at random when the
     request gives none)."""
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from specair.compile.plan import Plan
 from specair.models.errors import InputError, SpecairError
-from specair.runtime.params import Request, SamplingParams, TextAssembler
+from specair.runtime.params import SamplingParams, SamplingState, TextAssembler
 
 
 class QueueFullError(SpecairError):
@@ -29,11 +29,11 @@ class Seq:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    req: Request
+    sampling: SamplingState
     text: TextAssembler
     budget: int  # tokens it may still generate in all
     t0: float
-    seq: list[int] = field(default_factory=list)  # prompt + generated; the last token is not in the cache yet
+    tokens: list[int] = field(default_factory=list)  # prompt + generated; the last token is not in the cache yet
     out: list[int] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens in the scratch cache
     t_first: float = 0.0
@@ -44,7 +44,7 @@ class Seq:
     @property
     def committed(self) -> int:
         """Tokens whose K/V is in the target's cache (all but the last)."""
-        return len(self.seq) - 1
+        return len(self.tokens) - 1
 
 
 class Scheduler:
@@ -103,13 +103,13 @@ class Scheduler:
 
     def make_seq(self, request_id: str, ids: list[int], params: SamplingParams) -> Seq:
         """A request's state (what a tensor-parallel worker rebuilds from the driver's message)."""
-        req = Request(params, self.dtype)
-        self.plan.variant_for(req.variant)  # refuses sampling the plan has no graph for
+        sampling = SamplingState(params, self.dtype)
+        self.plan.variant_for(sampling.variant)  # refuses sampling the plan has no graph for
         spec = self.plan.speculative
-        if spec is not None and spec.acceptance == "greedy" and not req.greedy:
+        if spec is not None and spec.acceptance == "greedy" and not sampling.greedy:
             raise InputError("this engine's acceptance is 'greedy', which needs temperature 0; "
                              "use acceptance 'exact' to sample")
-        s = Seq(request_id, ids, params, req, TextAssembler(self.tokenizer, ids, params.stop),
+        s = Seq(request_id, ids, params, sampling, TextAssembler(self.tokenizer, ids, params.stop),
                 min(params.max_tokens, self.plan.max_context - len(ids)), time.perf_counter())
         if spec is not None:
             s.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
@@ -183,7 +183,7 @@ class Scheduler:
             return False
         if spec.disable_by_batch_size is not None and len(self.rows) > spec.disable_by_batch_size:
             return False
-        if any(len(s.seq) + self.depth > self.plan.max_context for s in self.rows):
+        if any(len(s.tokens) + self.depth > self.plan.max_context for s in self.rows):
             return False
         return any(s.budget - len(s.out) > 1 for s in self.rows)
 

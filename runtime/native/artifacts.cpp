@@ -21,7 +21,7 @@ namespace specair {
 namespace {
 
 constexpr int kManifestFormat = 1;  // compile/artifacts.py FORMAT
-constexpr int kNativeFormat = 1;    // runtime/native.py FORMAT
+constexpr int kNativeFormat = 1;    // runtime/native_manifest.py FORMAT
 
 json read_json(const fs::path& path, const std::string& what_if_missing) {
   std::ifstream f(path);

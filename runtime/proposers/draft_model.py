@@ -128,7 +128,7 @@ class CachedDraft(Proposer):
                 s.draft.hidden = path_hidden[i, :n + 1]
 
     def _pending(self, s: Seq) -> list[int]:
-        return s.seq[s.draft.length + self.offset:]
+        return s.tokens[s.draft.length + self.offset:]
 
     def sync(self, rows: list[Seq], B: int, D: int) -> None:
         """Bring every row's cache to within one catch-up (D+1 entries) of its sequence, after steps that

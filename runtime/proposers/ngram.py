@@ -79,7 +79,7 @@ class Ngram(Proposer):
 
     def _lookup(self, rows: list[Seq]) -> list[list[int]]:
         for s in rows:  # the index catches up with the tokens the sequence gained since
-            s.draft.extend(s.seq[len(s.draft.tokens):])
+            s.draft.extend(s.tokens[len(s.draft.tokens):])
         return [s.draft.propose(self.plan.max_depth) for s in rows]
 
     def can_speculate(self, rows: list[Seq]) -> bool:
