@@ -1,27 +1,7 @@
 """ONNX: `torch.onnx.export` at static shapes, run by onnxruntime (CPU) with IO binding; Atlas boards via ATC.
 
-Exporter. torch 2.13 still ships the legacy TorchScript exporter (`dynamo=False`, deprecated but kept);
-specair uses it at opset 13 (OPSET): every documented CANN release takes opsets 9-13 (CANN >= 7 also
-14-18), and edge LLM projects (ascend-llm, qwen-ascend-llm) export with 13. The dynamo exporter
-implements opset 18 only (TORCHLIB_OPSET) and reaches lower opsets by best-effort version conversion, so
-it is not used. A few lowerings are patched in for the duration of an export (`_symbolic_overrides`):
-`tril`/`triu` without Trilu (opset 14; the model's causal mask uses `tril`), `cumsum` of bool (the stock
-one emits an invalid CumSum on bool), `eye` via a float EyeLike (onnxruntime has no bool EyeLike),
-`sort(stable=True)` (the stock one misreads `stable` as `out=`), and `expand` to the traced static shape
-(the stock one mis-infers zero-size dims). No graph has dynamic axes.
-
-Artifact directory (one per backend run, i.e. one model pair):
-
-    <key>.onnx          one graph per bucket, without weights (~1 MB for a 30-layer model)
-    onnx_weights.bin    every weight of every graph once (raw, 64-byte aligned), referenced by all graph
-                        files as ONNX external data; one torch tensor under two names (tied weights, a
-                        layer-skip draft) is stored once; big constants (RoPE tables) too, by content
-    onnx_weights.json   its index: name -> offset, length, dtype, shape, sha256
-
-These graphs are exported without constant folding, so each weight keeps its parameter name
-(`models.target.*`, `models.draft.*`) instead of turning into a folded, renamed copy, and each Linear's
-`MatMul(x, Transpose(W))` is rewritten to `Gemm(x, W, transB=1)` (reshaped around), so no graph
-transposes a weight at run time.
+Export: `onnx_export.py`; the shared weights file: `onnx_weights.py`; the fused attention and the int4 kernels'
+lowering: `onnx_attention.py`.
 
 Loading builds each InferenceSession from its file alone (no tracing, no export) and hands it the
 weights with `SessionOptions.add_initializer(name, OrtValue)`, built zero-copy on the live torch
@@ -48,52 +28,27 @@ whose pointer is unchanged since the last call is kept. Outputs are fresh torch 
 the same way (ORT writes into them). Inputs must be contiguous CPU tensors of the planned shape and dtype,
 or the call raises saying which. Inputs a graph never reads are dropped by the exporter and ignored. One
 call at a time per graph (a lock guards the binding).
-
-Atlas edge boards: `OnnxBackend(self_contained=True)` or `export_self_contained(graph, path)` writes one
-`<key>.onnx` with the (constant-folded) weights embedded, under protobuf's 2 GB limit, for
-`atc --framework=5 --model=<key>.onnx ...`; `specair.compile.onnx_ops.check_onnx` says whether ATC will
-take it. Float32, float16 and float64 models export; bfloat16 has no numpy type.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
-import os
 import threading
-import warnings
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from specair.compile.backends.base import Backend, BackendUnavailable, CompiledGraph
-from specair.compile.backends.onnx_attention import IN_PLACE, PRESENT, fused_kernel, lower_fused_attention
+from specair.compile.backends.onnx_attention import IN_PLACE, PRESENT, lower_fused_attention
+from specair.compile.backends.onnx_export import (OPSET, OnnxExportError, export_self_contained, linear_to_gemm,
+                                                  module_tensors, torch_export)
+from specair.compile.backends.onnx_weights import (WEIGHTS_FILE, WEIGHTS_INDEX, OnnxArtifactError, WeightStore,
+                                                   external_tensor, externalize, numpy_dtype, to_numpy)
 from specair.compile.graph_def import GraphDef
 from specair.compile import kernels
 from specair.compile.quantize import WeightQuantizer, parse_quantize
-from specair.models.errors import InputError, SpecairError
-from specair.models.llama import use_attention
-
-OPSET = 13
-WEIGHTS_FILE = "onnx_weights.bin"
-WEIGHTS_INDEX = "onnx_weights.json"
-_ALIGN = 64
-_LIFT_BYTES = 1 << 16  # constants at least this big move to the shared weights file
-_MAX_PROTO = 2**31 - 1
-
-_export_lock = threading.Lock()  # the exporter's symbolic registry is process-global
-
-
-class OnnxExportError(SpecairError):
-    """A graph could not be exported to ONNX (an op without a lowering at the chosen opset, ...)."""
-
-
-class OnnxArtifactError(SpecairError):
-    """An ONNX artifact is missing or does not match the graph it is loaded for."""
+from specair.models.errors import InputError
 
 
 def _missing_packages() -> list[str]:
@@ -104,403 +59,6 @@ def _missing_packages() -> list[str]:
         except ImportError:
             missing.append(pkg)
     return missing
-
-
-# --------------------------------------------------------------------------------------------- export
-
-
-_TORCH_OF_SCALAR = {"Float": torch.float32, "Double": torch.float64, "Half": torch.float16, "Long": torch.int64,
-                    "Int": torch.int32, "Short": torch.int16, "Char": torch.int8, "Byte": torch.uint8,
-                    "Bool": torch.bool}
-
-
-def _tri_symbolic(upper: bool):
-    from torch.onnx import symbolic_helper as sh
-
-    def tri(g, self, diagonal, out=None):
-        sizes = self.type().sizes()
-        diag = sh._maybe_get_const(diagonal, "i")
-        if sizes is None or any(s is None for s in sizes[-2:]) or not isinstance(diag, int):
-            raise torch.onnx.errors.SymbolicValueError(
-                "tril/triu below opset 14 needs a static shape and diagonal", self)
-        R, C = sizes[-2], sizes[-1]
-        ones = torch.ones(R, C, dtype=torch.bool)
-        mask = g.op("Constant", value_t=ones.triu(diag) if upper else ones.tril(diag))
-        scalar = self.type().scalarType()
-        if scalar == "Bool":
-            return g.op("And", self, mask)
-        zero = g.op("Constant", value_t=torch.zeros((), dtype=_TORCH_OF_SCALAR.get(scalar, torch.float32)))
-        return g.op("Where", mask, self, zero)
-
-    return tri
-
-
-def _cumsum_symbolic(g, self, dim, dtype=None):
-    from torch.onnx import symbolic_helper as sh
-
-    axis = g.op("Constant", value_t=torch.tensor(sh._get_const(dim, "i", "dim"), dtype=torch.int64))
-    target = None
-    if dtype is not None and not sh._is_none(dtype):
-        target = sh._get_const(dtype, "i", "dtype")
-        target = sh.scalar_type_to_onnx[target] if isinstance(target, int) else None
-    elif self.type().scalarType() in ("Bool", "Byte", "Char", "Short", "Int"):
-        target = 7  # torch.cumsum of bool/integers accumulates in int64 (TensorProto.INT64 == 7)
-    x = self if target is None else g.op("Cast", self, to_i=int(target))
-    return g.op("CumSum", x, axis)
-
-
-def _eye_symbolic(g, *args):
-    """torch.eye as EyeLike on float zeros, then a Cast: onnxruntime's EyeLike has no bool kernel."""
-    from torch.onnx import symbolic_helper as sh
-
-    if len(args) == 5:
-        n, m, dtype = args[0], args[0], args[1]
-    elif len(args) == 6:
-        n, m, dtype = args[0], args[1], args[2]
-    else:
-        return sh._unimplemented("aten::eye", f"with {len(args)} arguments")
-    shape = g.op("Concat", sh._unsqueeze_helper(g, n, [0]), sh._unsqueeze_helper(g, m, [0]), axis_i=0)
-    zeros = g.op("ConstantOfShape", g.op("Cast", shape, to_i=7), value_t=torch.zeros(1, dtype=torch.float32))
-    eye = g.op("EyeLike", zeros)
-    st = None if sh._is_none(dtype) else sh._maybe_get_const(dtype, "i")
-    onnx_type = 1 if not isinstance(st, int) else int(sh.scalar_type_to_onnx[st])  # 1 = FLOAT
-    return eye if onnx_type == 1 else g.op("Cast", eye, to_i=onnx_type)
-
-
-def _sort_symbolic(g, self, *args):
-    """aten::sort and its `stable=` overload (which the stock lowering misreads as an `out=` argument) as
-    TopK over the whole axis; ONNX TopK breaks ties by lower index, which is what a stable sort does."""
-    from torch.onnx import symbolic_helper as sh
-
-    if len(args) == 3:  # sort.stable(self, *, stable, dim, descending)
-        _, dim, descending = args
-    elif len(args) == 2:  # sort(self, dim, descending)
-        dim, descending = args
-    else:
-        return sh._unimplemented("aten::sort", f"with {len(args) + 1} arguments")
-    dim = sh._get_const(dim, "i", "dim")
-    descending = bool(sh._get_const(descending, "b", "descending"))
-    k = g.op("Gather", g.op("Shape", self), g.op("Constant", value_t=torch.tensor([dim], dtype=torch.int64)))
-    return g.op("TopK", self, k, axis_i=dim, largest_i=int(descending), sorted_i=1, outputs=2)
-
-
-def _expand_symbolic(g, self, size, implicit):
-    """Expand to the traced (static) output shape. The stock lowering turns -1 into 1 and leans on
-    broadcasting, and the exporter's shape inference then gets zero-size dims wrong (an [F, 0] mask
-    expanded with -1 came out one column wide, and a later `size(-1)` baked that in)."""
-    from torch.onnx._internal.torchscript_exporter import symbolic_opset9
-
-    try:
-        sizes = g.original_node.output().type().sizes()
-    except Exception:  # noqa: BLE001 - incomplete type: no static shape recorded
-        sizes = None
-    if sizes is None or any(not isinstance(d, int) for d in sizes):
-        return symbolic_opset9.expand(g, self, size, implicit)
-    return g.op("Expand", self, g.op("Constant", value_t=torch.tensor(sizes, dtype=torch.int64)))
-
-
-@contextlib.contextmanager
-def _symbolic_overrides(opset: int) -> Iterator[None]:
-    """Lowerings specair's graphs need beyond the stock TorchScript exporter, registered for one export."""
-    regs = [("aten::cumsum", _cumsum_symbolic), ("aten::eye", _eye_symbolic), ("aten::sort", _sort_symbolic),
-            ("aten::expand", _expand_symbolic)]
-    if opset < 14:
-        regs += [("aten::tril", _tri_symbolic(False)), ("aten::triu", _tri_symbolic(True))]
-    for name, fn in regs:
-        torch.onnx.register_custom_op_symbolic(name, fn, opset)
-    try:
-        yield
-    finally:
-        for name, _ in regs:
-            torch.onnx.unregister_custom_op_symbolic(name, opset)
-
-
-def _cache_slots(graph: GraphDef) -> int | None:
-    """The slot count of the graph's KV caches (the `k_cache` input [L, B, Hkv, S, D]), or None without one."""
-    for name, t in zip(graph.input_names, graph.example_inputs):
-        if name == "k_cache" and t.dim() == 5:
-            return int(t.shape[3])
-    return None
-
-
-def _torch_export(graph: GraphDef, path: Path, opset: int, *, fold: bool, export_params: bool,
-                  fuse_attention: bool = False) -> None:
-    slots = _cache_slots(graph) if fuse_attention else None
-    kernel = use_attention(fused_kernel(slots)) if slots is not None else contextlib.nullcontext()
-    with _export_lock, _symbolic_overrides(opset), torch.no_grad(), warnings.catch_warnings(record=True) as caught, \
-            kernel:
-        warnings.simplefilter("always")  # recorded, not shown: the legacy exporter's deprecation notices
-        try:
-            torch.onnx.export(
-                graph.module, tuple(graph.example_inputs), str(path), dynamo=False, opset_version=opset,
-                do_constant_folding=fold, export_params=export_params, input_names=list(graph.input_names),
-                output_names=list(graph.output_names), keep_initializers_as_inputs=False)
-        except Exception as e:  # re-raised readably (the original dumps the whole IR)
-            first = str(e).split("\n", 1)[0][:400]
-            raise OnnxExportError(f"ONNX export of graph {graph.key!r} (opset {opset}) failed: "
-                                  f"{type(e).__name__}: {first}") from e
-    # The tracer turned a tensor into a Python value: the file holds that one value, not the computation.
-    host = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)
-            and str(w.message).startswith("Converting a tensor to a Python")]
-    if host:
-        w = host[0]
-        path.unlink(missing_ok=True)
-        raise OnnxExportError(f"graph {graph.key!r} reads a tensor value on the host ({Path(w.filename).name}:"
-                              f"{w.lineno}: {str(w.message).split('.')[0]}); a static graph must not (no .item(), "
-                              "no data-dependent Python branch), or the export bakes in one example's value")
-
-
-def export_self_contained(graph: GraphDef, path: str | os.PathLike, opset: int = OPSET) -> Path:
-    """One ONNX file with the weights embedded (constant-folded, legacy exporter, static shapes), for
-    `atc --framework=5` on Atlas boards or any runtime without specair. Must stay under 2 GB."""
-    import onnx
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    unique = {t.data_ptr(): t for t in _module_tensors(graph.module).values()}
-    size = sum(t.numel() * t.element_size() for t in unique.values())
-    if size >= _MAX_PROTO:
-        raise OnnxExportError(f"graph {graph.key!r} has {size / 2**30:.1f} GiB of weights: a self-contained ONNX "
-                              "file must stay under 2 GB (use the shared-weights export, or quantize first)")
-    _torch_export(graph, path, opset, fold=True, export_params=True)
-    if path.stat().st_size < size:  # the exporter moved weights out of the file
-        raise OnnxExportError(f"graph {graph.key!r}: the exporter did not embed the weights in {path}; "
-                              "a self-contained file must stay under 2 GB")
-    onnx.checker.check_model(str(path))
-    return path
-
-
-def _module_tensors(module: torch.nn.Module) -> dict[str, Tensor]:
-    """Every parameter and buffer under every name it has (tied weights appear under each)."""
-    out = dict(module.named_parameters(remove_duplicate=False))
-    out.update(module.named_buffers(remove_duplicate=False))
-    return out
-
-
-# ------------------------------------------------------------------------------------- weights store
-
-
-def _numpy_dtype(dtype: torch.dtype):
-    import numpy as np
-
-    return np.dtype(str(dtype).removeprefix("torch.")) if dtype != torch.bfloat16 else None
-
-
-def _numpy(t: Tensor):
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        raise OnnxExportError("the onnx backend takes float32/float16 models; bfloat16 has no numpy type")
-    if t.device.type != "cpu":
-        raise OnnxExportError(f"the onnx backend runs on CPU; got a tensor on {t.device}")
-    return t.contiguous().numpy()
-
-
-def _version(t: Tensor) -> int:
-    """The in-place version counter (inference tensors have none: they cannot change in place outside
-    inference mode, so -1)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return -1
-
-
-class _WeightStore:
-    """onnx_weights.bin + onnx_weights.json in an artifact directory: append-only, one entry per tensor name;
-    names of one torch tensor (or of equal bytes, dtype and shape) share one stored copy."""
-
-    def __init__(self, art_dir: Path) -> None:
-        self.bin, self.idx = art_dir / WEIGHTS_FILE, art_dir / WEIGHTS_INDEX
-        self.entries: dict[str, dict[str, Any]] = {}
-        if self.idx.exists():
-            self.entries = json.loads(self.idx.read_text())["tensors"]
-        self._by_content = {self._content_key(e): n for n, e in self.entries.items()}
-        # name -> (tensor, version) stored or verified by this process; holding the tensor keeps its
-        # data_ptr from being reused by another tensor, so (data_ptr, shape, dtype) identifies it.
-        self._verified: dict[str, tuple[Tensor, int]] = {}
-        self._by_ptr: dict[tuple, str] = {}
-        self._dirty = False
-
-    @staticmethod
-    def _content_key(entry: dict[str, Any]) -> tuple:
-        return entry["sha256"], entry["dtype"], tuple(entry["shape"])
-
-    def add(self, name: str, tensor: Tensor | None = None, array=None) -> dict[str, Any]:
-        """Store the tensor (or numpy array) under name unless it is stored already; its index entry.
-        A name stored before with other contents is an error (one directory holds one model pair)."""
-        import numpy as np
-
-        ptr_key = None
-        if tensor is not None:
-            seen = self._verified.get(name)
-            if seen is not None and seen[0] is tensor and seen[1] == _version(tensor):
-                return self.entries[name]
-            ptr_key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, _version(tensor))
-            alias = self._by_ptr.get(ptr_key)
-            if alias is not None and name not in self.entries:  # the same torch tensor under another name
-                self.entries[name] = self.entries[alias]
-                self._verified[name] = (tensor, _version(tensor))
-                self._dirty = True
-                return self.entries[name]
-            array = _numpy(tensor)
-        array = np.ascontiguousarray(array)
-        entry = {"dtype": str(array.dtype), "shape": list(array.shape),
-                 "sha256": hashlib.sha256(memoryview(array).cast("B")).hexdigest()}
-        old = self.entries.get(name)
-        if old is not None and self._content_key(old) != self._content_key(entry):
-            raise OnnxArtifactError(f"{self.bin.parent}: tensor {name!r} differs from the one already stored there; "
-                                    "one artifact directory holds one model pair: compile into a fresh directory")
-        if old is None:
-            same = self._by_content.get(self._content_key(entry))
-            if same is not None:
-                entry = self.entries[same]
-            else:
-                with open(self.bin, "ab") as f:
-                    off = f.seek(0, os.SEEK_END)
-                    pad = -off % _ALIGN
-                    f.write(b"\0" * pad)
-                    f.write(memoryview(array).cast("B"))
-                entry.update(offset=off + pad, length=array.nbytes)
-                self._by_content[self._content_key(entry)] = name
-            self.entries[name] = entry
-            self._dirty = True
-        if tensor is not None:
-            self._verified[name] = (tensor, _version(tensor))
-            self._by_ptr[ptr_key] = name
-        return self.entries[name]
-
-    def flush(self) -> None:
-        if self._dirty:
-            tmp = self.idx.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"file": WEIGHTS_FILE, "tensors": self.entries}, indent=0))
-            tmp.replace(self.idx)
-            self._dirty = False
-
-
-def _external_tensor(name: str, entry: dict[str, Any]):
-    import numpy as np
-    import onnx
-
-    t = onnx.TensorProto()
-    t.name = name
-    t.data_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(entry["dtype"]))
-    t.dims.extend(entry["shape"])
-    t.data_location = onnx.TensorProto.EXTERNAL
-    for k, v in (("location", WEIGHTS_FILE), ("offset", str(entry["offset"])), ("length", str(entry["length"]))):
-        e = t.external_data.add()
-        e.key, e.value = k, v
-    return t
-
-
-def _static_shape(vi) -> list[int] | None:
-    dims = vi.type.tensor_type.shape.dim
-    if not vi.type.tensor_type.HasField("shape") or any(not d.HasField("dim_value") for d in dims):
-        return None
-    return [d.dim_value for d in dims]
-
-
-def _linear_to_gemm(model, weights: set[str]) -> int:
-    """MatMul(x, Transpose(W, perm=[1, 0])) with W a 2-D weight -> Gemm(x, W, transB=1), reshaping x to
-    [-1, K] and the result back to x's leading dims + [N], so no weight is transposed at run time (ORT
-    cannot fold a transpose of an initializer it is handed at load time). Returns how many it rewrote."""
-    import onnx
-    from onnx import helper
-
-    g = model.graph
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
-    except Exception:  # noqa: BLE001 - fall back to the dims the exporter recorded
-        inferred = g
-    ranks, shapes = {}, {}
-    for vi in list(inferred.value_info) + list(inferred.input) + list(inferred.output):
-        if vi.type.tensor_type.HasField("shape"):
-            ranks[vi.name] = len(vi.type.tensor_type.shape.dim)
-            shapes[vi.name] = _static_shape(vi)
-    producer = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, int] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers[i] = consumers.get(i, 0) + 1
-    out_names = {o.name for o in g.output}
-    new_nodes, dropped, count = [], set(), 0
-    const = lambda name, vals: g.initializer.append(
-        helper.make_tensor(name, onnx.TensorProto.INT64, [len(vals)], vals))
-    for n in g.node:
-        tr = producer.get(n.input[1]) if n.op_type == "MatMul" and not n.domain else None
-        ok = (tr is not None and tr.op_type == "Transpose" and tr.input[0] in weights
-              and [list(a.ints) for a in tr.attribute if a.name == "perm"] == [[1, 0]]
-              and shapes.get(tr.input[0]) is not None and len(shapes[tr.input[0]]) == 2)
-        if not ok:
-            new_nodes.append(n)
-            continue
-        count += 1
-        N, K = shapes[tr.input[0]]
-        x, w, y = n.input[0], tr.input[0], n.output[0]
-        base = f"{n.name or y}/gemm"
-        if ranks.get(x) == 2:
-            new_nodes.append(helper.make_node("Gemm", [x, w], [y], name=base, transB=1))
-        else:
-            const(f"{base}/k", [-1, K])
-            out_shape = [f"{base}/out_shape"]
-            shape_nodes = []
-            if shapes.get(x) is not None:  # static: one constant target shape
-                const(out_shape[0], shapes[x][:-1] + [N])
-            else:  # dims unknown here (static at run time): x's leading dims + [N]
-                const(f"{base}/n", [N])
-                const(f"{base}/start", [0])
-                const(f"{base}/end", [-1])
-                shape_nodes = [
-                    helper.make_node("Shape", [x], [f"{base}/x_shape"], name=f"{base}/shape"),
-                    helper.make_node("Slice", [f"{base}/x_shape", f"{base}/start", f"{base}/end"], [f"{base}/lead"],
-                                     name=f"{base}/lead"),
-                    helper.make_node("Concat", [f"{base}/lead", f"{base}/n"], out_shape, name=f"{base}/concat", axis=0)]
-            new_nodes += shape_nodes + [
-                helper.make_node("Reshape", [x, f"{base}/k"], [f"{base}/x2d"], name=f"{base}/reshape_in"),
-                helper.make_node("Gemm", [f"{base}/x2d", w], [f"{base}/y2d"], name=base, transB=1),
-                helper.make_node("Reshape", [f"{base}/y2d", out_shape[0]], [y], name=f"{base}/reshape_out")]
-        consumers[tr.output[0]] -= 1
-        if consumers[tr.output[0]] == 0 and tr.output[0] not in out_names:
-            dropped.add(id(tr))
-    del g.node[:]
-    g.node.extend(x for x in new_nodes if id(x) not in dropped)
-    return count
-
-
-def _externalize(model, tensors: dict[str, Tensor], store: _WeightStore) -> None:
-    """Weights (graph inputs named after module tensors, or embedded initializers) and big constants ->
-    external-data initializers in the shared weights file."""
-    import onnx
-    from onnx import numpy_helper
-
-    g = model.graph
-    for vi in [vi for vi in g.input if vi.name in tensors]:
-        g.input.remove(vi)
-        g.initializer.append(_external_tensor(vi.name, store.add(vi.name, tensor=tensors[vi.name])))
-    for i, init in enumerate(list(g.initializer)):
-        if init.data_location == onnx.TensorProto.EXTERNAL:
-            continue
-        if init.name in tensors:
-            g.initializer[i].CopyFrom(_external_tensor(init.name, store.add(init.name, tensor=tensors[init.name])))
-        elif len(init.raw_data) >= _LIFT_BYTES:
-            arr = numpy_helper.to_array(init)
-            g.initializer[i].CopyFrom(_external_tensor(init.name, store.add(init.name, array=arr)))
-    keep = []
-    for node in g.node:
-        value = next((a.t for a in node.attribute if a.name == "value"), None) if node.op_type == "Constant" else None
-        if value is not None and not node.domain and len(value.raw_data) >= _LIFT_BYTES:
-            arr = numpy_helper.to_array(value)
-            # Named by content, shape and dtype: equal bytes in another shape (zeros, say) are another constant.
-            h = hashlib.sha256(f"{arr.dtype}{arr.shape}".encode())
-            h.update(memoryview(arr).cast("B"))
-            name = "const." + h.hexdigest()[:20]
-            entry = store.add(name, array=arr)
-            g.initializer.append(_external_tensor(node.output[0], entry))
-        else:
-            keep.append(node)
-    del g.node[:]
-    g.node.extend(keep)
-
-
-# ------------------------------------------------------------------------------------------- running
 
 
 _NP_OF_ORT = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
@@ -664,7 +222,7 @@ class OnnxBackend(Backend):
                              "does not take: it applies to the shared-weights export, not to --self-contained")
         self._quantizer = WeightQuantizer(self.quantization) if self.quantization is not None else None
         self._shared_pool = _shared_thread_pool(threads)
-        self._stores: dict[Path, _WeightStore] = {}
+        self._stores: dict[Path, WeightStore] = {}
         self._shared: dict[tuple, Any] = {}  # (name, data_ptr) -> (tensor, array, OrtValue), shared by sessions
         # (weights file, offset, length) -> (array, OrtValue): stored tensors the module lacks (quantized
         # weights, lifted constants), in memory once and shared by every session that reads them
@@ -720,23 +278,23 @@ class OnnxBackend(Backend):
         tmp = path.with_name(path.name + ".tmp")
         try:
             # Weights stay graph inputs (no data written, nothing folded into renamed copies).
-            _torch_export(graph, tmp, self.opset, fold=False, export_params=False,
+            torch_export(graph, tmp, self.opset, fold=False, export_params=False,
                           fuse_attention=self.fuse_attention)
             model = onnx.load(str(tmp))
         finally:
             tmp.unlink(missing_ok=True)
         lower_fused_attention(model, row_independent=self.kernels)
-        tensors = _module_tensors(graph.module)
+        tensors = module_tensors(graph.module)
         quantized = self._quantizer.rewrite(model, tensors) if self._quantizer is not None else {}
-        _linear_to_gemm(model, set(tensors))
+        linear_to_gemm(model, set(tensors))
         store = self._stores.get(art_dir)
         if store is None or (store.entries and not store.bin.exists()):  # first use, or the directory was wiped
             self._forget_stored(art_dir / WEIGHTS_FILE)
-            store = self._stores[art_dir] = _WeightStore(art_dir)
-        _externalize(model, tensors, store)
+            store = self._stores[art_dir] = WeightStore(art_dir)
+        externalize(model, tensors, store)
         for name, array in quantized.items():
             entry = store.add(name, array=array)
-            model.graph.initializer.append(_external_tensor(name, entry))
+            model.graph.initializer.append(external_tensor(name, entry))
             self._stored_value(store.bin, entry["offset"], entry["length"], lambda a=array: a)
         store.flush()
         leftover = [vi.name for vi in model.graph.input if vi.name not in graph.input_names
@@ -771,7 +329,7 @@ class OnnxBackend(Backend):
 
         key = (name, t.data_ptr(), tuple(t.shape), t.dtype)
         if key not in self._shared:
-            arr = _numpy(t)  # a view of the torch tensor (a copy only if it was not contiguous)
+            arr = to_numpy(t)  # a view of the torch tensor (a copy only if it was not contiguous)
             self._shared[key] = (t, arr, ort.OrtValue.ortvalue_from_numpy(arr))
         keepalive.append(self._shared[key])
         return self._shared[key][2]
@@ -808,14 +366,14 @@ class OnnxBackend(Backend):
             # a quantized graph has no float GEMM weights left for it to copy.
             if not self.prepack and self.quantization is None:
                 so.add_session_config_entry("session.disable_prepacking", "1")
-            tensors = _module_tensors(graph.module)
+            tensors = module_tensors(graph.module)
             for init in external:
                 t = tensors.get(init.name)
                 if t is None or t.device.type == "meta":
                     so.add_initializer(init.name, self._file_tensor(Path(art_dir), init, keepalive))
                     continue
                 exported = (tuple(init.dims), onnx.helper.tensor_dtype_to_np_dtype(init.data_type))
-                if exported != (tuple(t.shape), _numpy_dtype(t.dtype)):
+                if exported != (tuple(t.shape), numpy_dtype(t.dtype)):
                     raise OnnxArtifactError(
                         f"{path}: weight {init.name!r} was exported as {exported[1]}{list(exported[0])}, the model "
                         f"has {t.dtype}{list(t.shape)}: recompile the plan for this model")
