@@ -123,6 +123,14 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def random_checkpoint(cfg: ModelConfig, seed: int = 0, scale: float = 0.2) -> dict[str, torch.Tensor]:
+    """A checkpoint of `cfg` with random weights, N(0, scale²) (norm weights around 1), for checks that need
+    a model's shapes and a deterministic function rather than its answers (vLLM's "dummy" load format)."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: (1.0 if k.endswith("norm.weight") else 0.0) + scale * torch.randn(shape, generator=g)
+            for k, shape in expected_shapes(cfg).items()}
+
+
 def _optional_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {}

@@ -50,20 +50,9 @@ class DraftHead(nn.Module):
     def logits(self, hidden: Tensor, reduced: bool = False) -> Tensor:
         raise NotImplementedError
 
-    def forward(
-        self,
-        tokens: Tensor,
-        positions: Tensor,
-        cache_len: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        tree_mask: Tensor | None = None,
-        logits_index: Tensor | None = None,
-        prev_k: Tensor | None = None,
-        prev_v: Tensor | None = None,
-        *,
-        input_hidden: Tensor,
-    ) -> ModelOutput:
+    def forward(self, tokens: Tensor, positions: Tensor, cache_len: Tensor, k_cache: Tensor, v_cache: Tensor,
+                tree_mask: Tensor | None = None, logits_index: Tensor | None = None, prev_k: Tensor | None = None,
+                prev_v: Tensor | None = None, *, input_hidden: Tensor) -> ModelOutput:
         """`Transformer.forward`'s contract (pure: reads the cache, returns the new K/V [1, B, Hkv, T, D]) with
         input_hidden [B, T, F], the target state paired with each token (or a parent node's output). The
         output's `hidden` is the layer output (what a child node takes as its input_hidden; not normed);

@@ -293,18 +293,9 @@ class Transformer(nn.Module):
     def lm_head(self, hidden: Tensor) -> Tensor:
         return vocab_logits(hidden, self.lm_holder)
 
-    def forward(
-        self,
-        tokens: Tensor,
-        positions: Tensor,
-        cache_len: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        tree_mask: Tensor | None = None,
-        logits_index: Tensor | None = None,
-        prev_k: Tensor | None = None,
-        prev_v: Tensor | None = None,
-    ) -> ModelOutput:
+    def forward(self, tokens: Tensor, positions: Tensor, cache_len: Tensor, k_cache: Tensor, v_cache: Tensor,
+                tree_mask: Tensor | None = None, logits_index: Tensor | None = None, prev_k: Tensor | None = None,
+                prev_v: Tensor | None = None) -> ModelOutput:
         """Run T new tokens per row against the committed prefix (and, optionally, earlier tokens of
         the same step that are not in the cache).
 

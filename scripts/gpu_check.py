@@ -46,6 +46,7 @@ from specair.compile.artifacts import GraphSet, compile_artifacts, load_artifact
 from specair.compile.backends import get_backend
 from specair.compile.backends.cuda import CudaGraphBackend, CudaGraphRunner, input_names, inputs_to_copy
 from specair.compile.catalog import Catalog
+from specair.models.checkpoint import random_checkpoint
 from specair.models.config import ModelConfig
 from specair.models.llama import build_model, truncated
 from specair.runtime import build
@@ -84,18 +85,7 @@ def record(check: str, config: str, backend: str, ok: bool | None, detail: str =
 def tiny_model(seed: int, layers: int, dtype: torch.dtype, device: str):
     c = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=4,
                     num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s, b=0.0: b + 0.2 * torch.randn(*s, generator=g)  # noqa: E731
-    H, I, q, kv = 64, 128, 64, 32
-    sd = {"model.embed_tokens.weight": r(V, H), "model.norm.weight": r(H, b=1), "lm_head.weight": r(V, H)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        sd |= {p + "input_layernorm.weight": r(H, b=1), p + "post_attention_layernorm.weight": r(H, b=1),
-               p + "self_attn.q_proj.weight": r(q, H), p + "self_attn.k_proj.weight": r(kv, H),
-               p + "self_attn.v_proj.weight": r(kv, H), p + "self_attn.o_proj.weight": r(H, q),
-               p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H),
-               p + "mlp.down_proj.weight": r(H, I)}
-    return build_model(c, sd, dtype).to(device)
+    return build_model(c, random_checkpoint(c, seed), dtype).to(device)
 
 
 def random_heads(target, spec):

@@ -35,6 +35,7 @@ from specair.graphs.draft import draft_chain, draft_static_tree, draft_topk_tree
 from specair.graphs.steps import decode_step, prefill_chunk
 from specair.graphs.tree import buffers_from_parents, get_template
 from specair.graphs.verify import expanded_verify, leaf_paths, tree_verify
+from specair.models.checkpoint import random_checkpoint
 from specair.models.config import ModelConfig
 from specair.models.errors import InputError, SpecairError
 from specair.models.llama import build_model
@@ -50,21 +51,7 @@ B, SLOTS, CTX, V = 2, 192, 128, 256
 def tiny_model(seed: int = 0):
     cfg = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape, base=0.0):
-        return base + 0.2 * torch.randn(*shape, generator=g)
-
-    H, I, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    sd = {"model.embed_tokens.weight": r(V, H), "model.norm.weight": r(H, base=1), "lm_head.weight": r(V, H)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        sd |= {p + "input_layernorm.weight": r(H, base=1), p + "post_attention_layernorm.weight": r(H, base=1),
-               p + "self_attn.q_proj.weight": r(q, H), p + "self_attn.k_proj.weight": r(kv, H),
-               p + "self_attn.v_proj.weight": r(kv, H), p + "self_attn.o_proj.weight": r(H, q),
-               p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H),
-               p + "mlp.down_proj.weight": r(H, I)}
-    return build_model(cfg, sd)
+    return build_model(cfg, random_checkpoint(cfg, seed))
 
 
 def _chain(draft, catch, n_catch, draft_len, k_cache, v_cache, t, tk, tp, u, *, k, ctx):

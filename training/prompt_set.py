@@ -559,11 +559,8 @@ def _explain(rng: random.Random) -> list[str]:
 
 
 def _code_write(rng: random.Random) -> list[str]:
-    out = []
-    for task in CODE_TASKS:
-        for lang in rng.sample(CODE_LANGUAGES, 3):
-            out.append(rng.choice(CODE_TEMPLATES).format(lang=lang, task=task))
-    return out
+    return [rng.choice(CODE_TEMPLATES).format(lang=lang, task=task)
+            for task in CODE_TASKS for lang in rng.sample(CODE_LANGUAGES, 3)]
 
 
 def _code_explain(rng: random.Random) -> list[str]:
@@ -584,12 +581,9 @@ def _retrieval(rng: random.Random) -> list[str]:
 
 
 def _translate(rng: random.Random) -> list[str]:
-    out = []
-    for s in TRANSLATE_SENTENCES:
-        for lang in rng.sample(TRANSLATE_LANGUAGES, 2):
-            out.append(rng.choice(TRANSLATE_TEMPLATES).format(lang=lang, s=s))
-    out += [f"Translate this {lang} sentence into English: \"{s}\"" for lang, s in TRANSLATE_BACK]
-    return out
+    return [rng.choice(TRANSLATE_TEMPLATES).format(lang=lang, s=s)
+            for s in TRANSLATE_SENTENCES for lang in rng.sample(TRANSLATE_LANGUAGES, 2)] + [
+        f"Translate this {lang} sentence into English: \"{s}\"" for lang, s in TRANSLATE_BACK]
 
 
 def _math(rng: random.Random) -> list[str]:
