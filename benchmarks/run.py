@@ -5,8 +5,10 @@ weights, measured in one process, interleaved prompt by prompt after a warm-up.
                   [--acceptance exact,greedy] [--max-tokens 128] [--batch-sizes 1,2,4] [--peers auto]
                   [--out DIR]
 
-Writes results.json (every raw sample and the environment), results.md (the table) and PNG plots into
---out. See benchmarks.report for the metrics and benchmarks.peers for the peers.
+Without --configs or --spec it measures the main job (what `specair generate` runs with no flags: backend and
+speculation `auto`) and its plain decoding on that backend, then autoregressive decoding, n-gram and the shipped
+heads on --backends (eager by default; eager fp32 autoregressive is the reference row). Writes results.json
+(every raw sample and the environment), results.md (the table) and PNG plots into --out. See benchmarks.report for the metrics and benchmarks.peers for the peers.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from specair.benchmarks.peers import (OPENVINO_PEERS, PEERS, TRANSFORMERS_PEERS,
 from specair.benchmarks.report import (BatchRun, Entry, Sample, markdown_report, markdown_table, plot_all,
                                        summarize, write_json)
 from specair.models.errors import InputError
+from specair.runtime.build import AUTO
 from specair.runtime.params import SamplingParams
 from specair.runtime.prompts import read_prompt_file
 
@@ -41,6 +44,8 @@ AUTOREGRESSIVE = "autoregressive"
 # Used when neither --configs nor --spec is given: prompt lookup (needs no trained weights), and for the
 # default model its shipped EAGLE and Medusa heads, each with the lookahead and tree the heads carry.
 DEFAULT_SPECS: list[dict[str, Any]] = [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}]
+# What `specair generate` runs with no flags: `auto` backend and speculation, resolved as the engine resolves them.
+MAIN_JOB: dict[str, Any] = {"speculative_config": "auto", "backend": "auto", "name": "main job (generate's defaults)"}
 
 
 # ---------------------------------------------------------------- prompts
@@ -96,6 +101,8 @@ def config_name(cfg: BenchConfig) -> str:
     s = cfg.speculative_config
     if s is None:
         name = AUTOREGRESSIVE
+    elif s == AUTO:
+        name = "speculative auto"
     else:
         def show(k: str, v: Any) -> str:
             if k == "model":
@@ -158,11 +165,11 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
         if unknown:
             raise InputError(f"unknown configuration key(s) {sorted(unknown)}")
         spec = entry.get("speculative_config")
-        if isinstance(spec, str):
+        if isinstance(spec, str) and spec != AUTO:  # "auto" is resolved by the engine, as for `specair generate`
             spec = json.loads(spec)
         if isinstance(spec, dict) and "num_speculative_tokens" not in spec:  # what the heads were trained for
             spec = {**proposer_class(spec.get("method")).config_defaults(spec.get("model")), **spec}
-        if spec is not None:
+        if isinstance(spec, dict):
             parse_config(spec)  # refuse a bad config before loading anything
         if entry.get("artifacts"):
             if set(entry) & {"backend", "dtype", "quantize"}:
@@ -172,7 +179,7 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
                                    name=entry.get("name")))
             continue
         specs = ([{**spec, "acceptance": a} for a in acceptances]
-                 if spec is not None and acceptances and "acceptance" not in spec else [spec])
+                 if isinstance(spec, dict) and acceptances and "acceptance" not in spec else [spec])
         for be in [entry["backend"]] if "backend" in entry else backends:
             for sp in specs:
                 name = entry.get("name")
@@ -191,8 +198,10 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
     if sum(c.tensor_parallel_size > 1 for c in configs) > 1:
         raise InputError("at most one configuration may use tensor_parallel_size > 1 (a process drives one "
                          "torch.distributed group; an autoregressive one is its own baseline)")
-    # Baselines first, plain eager fp32 first among them (the reference); the listed order otherwise kept.
-    configs.sort(key=lambda c: (c.speculative_config is not None, c.baseline_key != ("eager", "fp32", None, 1)))
+    # Baselines first, plain eager fp32 first among them (the reference), then the main job; the listed order
+    # otherwise kept.
+    configs.sort(key=lambda c: (c.speculative_config is not None, c.speculative_config != AUTO,
+                                c.baseline_key != ("eager", "fp32", None, 1)))
     names = [c.label for c in configs]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -201,11 +210,11 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
 
 
 def default_config_entries(model: str | None) -> list[Any]:
-    """Autoregressive, prompt lookup, and (for the default model) the trained EAGLE and Medusa heads
-    shipped under models/heads/ when they are there."""
+    """The main job (with its autoregressive baseline on the same backend), then autoregressive, prompt lookup
+    and (for the default model) the trained heads shipped under models/heads/ when they are there."""
     from specair.runtime.proposers import PROPOSERS, shipped_head
 
-    entries: list[Any] = [None, *DEFAULT_SPECS]
+    entries: list[Any] = [MAIN_JOB, None, *DEFAULT_SPECS]
     if model is None:
         for method, cls in PROPOSERS.items():
             try:

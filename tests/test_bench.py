@@ -113,6 +113,18 @@ def test_parse_configs_expands_and_adds_baselines():
         bench.parse_configs([{"speculative_config": ls, "threads": 2}])
 
 
+def test_default_configurations_lead_with_the_main_job():
+    """`specair bench` with no --configs measures what `specair generate` runs with no flags (backend and
+    speculation `auto`, resolved by the engine), beside its own plain-decoding baseline on that backend."""
+    cfgs = bench.parse_configs(bench.default_config_entries(None), acceptances=("exact", "typical"))
+    assert cfgs[0].label == "autoregressive" and cfgs[0].backend == "eager"  # the reference
+    speculative = [c for c in cfgs if c.speculative_config is not None]
+    main = speculative[0]
+    assert (main.label, main.backend, main.speculative_config) == ("main job (generate's defaults)", "auto", "auto")
+    assert sum(c.speculative_config == "auto" for c in cfgs) == 1  # not crossed with acceptance methods
+    assert any(c.speculative_config is None and c.baseline_key == main.baseline_key for c in cfgs)
+
+
 def test_shipped_prompt_set():
     recs = bench.load_prompt_set(bench.DEFAULT_PROMPTS)
     assert 24 <= len(recs) <= 36
