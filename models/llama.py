@@ -19,7 +19,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specair.models import memory
+from specair.models import memory, shm_collectives  # noqa: F401 (shm_collectives registers torch.ops.specair)
 from specair.models.config import ModelConfig
 from specair.models.errors import ModelFormatError
 
@@ -86,16 +86,29 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class TensorParallel(NamedTuple):
-    """One rank's place in a tensor-parallel group (its torch.distributed process group, rank and size)."""
+    """One rank's place in a tensor-parallel group (its torch.distributed process group, rank and size) and,
+    for CPU ranks on one host, the id of its shared-memory group (models/shm_collectives)."""
 
     group: Any
     rank: int
     world: int
+    shm: int | None = None
 
 
 def all_reduce(x: Tensor, tp: TensorParallel | None) -> Tensor:
-    """The sum of every rank's x (a functional collective, so graph captures keep it inside the graph)."""
-    return x if tp is None else funcol.all_reduce(x, "sum", tp.group)
+    """The sum of every rank's x (a custom op or a functional collective, so graph captures keep it inside)."""
+    if tp is None:
+        return x
+    if tp.shm is not None:
+        return torch.ops.specair.shm_all_reduce(x, tp.shm)
+    return funcol.all_reduce(x, "sum", tp.group)
+
+
+def all_gather(x: Tensor, tp: TensorParallel) -> Tensor:
+    """Every rank's x concatenated along dim 0, in rank order."""
+    if tp.shm is not None:
+        return torch.ops.specair.shm_all_gather(x, tp.shm, tp.world)
+    return funcol.all_gather_single(x, 0, tp.group)
 
 
 class Embedding(nn.Embedding):
@@ -121,7 +134,7 @@ def vocab_logits(hidden: Tensor, holder: nn.Module) -> Tensor:
     tp = getattr(holder, "tp", None)
     if tp is None:
         return logits
-    full = funcol.all_gather_single(logits.movedim(-1, 0).contiguous(), 0, tp.group)
+    full = all_gather(logits.movedim(-1, 0).contiguous(), tp)
     return full[:holder.vocab_size].movedim(0, -1)
 
 

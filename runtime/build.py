@@ -77,7 +77,7 @@ def load_models(path: str | None, dtype: str, spec: SpeculativeConfig | None, de
         shard(target, tp)
         if isinstance(draft, Transformer):
             shard(draft, tp)
-        fingerprints["tensor_parallel"] = [tp.rank, tp.world]
+        fingerprints["tensor_parallel"] = [tp.rank, tp.world, "shm" if tp.shm is not None else "group"]
     if device != "cpu":
         target = target.to(device)
         draft = draft.to(device) if draft is not None else None
@@ -291,7 +291,9 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
                             max_waiting, name)
 
 
-TP_AUTO_BACKEND = "inductor"  # what `--backend auto` runs tensor-parallel (onnxruntime has no collectives)
+# What `--backend auto` runs tensor-parallel (onnxruntime has no collectives): eager, which starts at once; inductor
+# decodes faster but builds each rank layout's graphs for minutes first and traces them at every start.
+TP_AUTO_BACKEND = "eager"
 
 
 def _tensor_parallel_engine(kwargs: dict[str, Any], world: int) -> Engine:
@@ -313,11 +315,15 @@ def _tensor_parallel_engine(kwargs: dict[str, Any], world: int) -> Engine:
         raise InputError(f"the {backend} backend cannot run tensor-parallel: {cls.tensor_parallel_why}; use "
                          f"--backend eager or inductor on CPU (cuda or npu on accelerators)")
     device = kwargs["device"] or cls.device
-    if kwargs["threads"] is None and torch.device(device).type == "cpu":
-        kwargs["threads"] = max(1, (os.cpu_count() or 1) // world)  # the ranks share this machine's cores
+    torchrun = tensor_parallel.torchrun_env()
+    if kwargs["threads"] is None and torch.device(device).type == "cpu":  # the ranks share this machine's cores
+        kwargs["threads"] = max(1, (os.cpu_count() or 1) // (torchrun["local_world"] if torchrun else world))
     kwargs["backend"] = backend
-    log(f"specair: tensor parallelism over {world} ranks ({tensor_parallel.dist_backend(device)}, {backend})")
-    return tensor_parallel.launch(world, device, kwargs, lambda tp: open_engine(**kwargs, tp=tp))
+    build = lambda tp: open_engine(**kwargs, tp=tp)  # noqa: E731
+    if torchrun is not None:  # every rank runs this same command; rank 0 drives
+        return tensor_parallel.join(world, device, build, os.environ.get("SPECAIR_TP_TRACE"))
+    log(f"specair: tensor parallelism over {world} ranks ({tensor_parallel.collectives(device)}, {backend})")
+    return tensor_parallel.launch(world, device, kwargs, build)
 
 
 def _rank_engine(model: str | None, dtype: str, spec: SpeculativeConfig | None, backend: str | None,

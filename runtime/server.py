@@ -371,7 +371,7 @@ def add_serve_parser(subparsers: Any) -> None:
                         '(--batch-buckets 1), plain decoding elsewhere; none: plain decoding')
     p.add_argument("--backend", default=AUTO,
                    help="auto (default): the fastest configuration here (onnxruntime, the default model's weights as "
-                        "exact int4; inductor with --tensor-parallel-size), compiled once into specair's cache for "
+                        "exact int4; eager with --tensor-parallel-size), compiled once into specair's cache for "
                         "these batch buckets and loaded afterwards; or eager, inductor, aoti, onnx, cuda, npu: "
                         "graphs compiled as they are first needed")
     p.add_argument("--device", help="where models, caches and graph inputs live (default: the backend's device: cpu, cuda for the cuda backend, npu for npu)")

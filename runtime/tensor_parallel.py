@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from specair.models import shm_collectives
 from specair.models.errors import InputError, SpecairError
 from specair.models.llama import TensorParallel
 
@@ -77,6 +78,10 @@ class Group:
         atexit.register(self.close)
 
     @property
+    def workers(self) -> range:
+        return range(1, self.tp.world)
+
+    @property
     def world(self) -> int:
         return self.tp.world
 
@@ -99,6 +104,8 @@ class Group:
         with self._fail_lock:
             if self.error is None:
                 self.error = TensorParallelError(self._blame(cause))
+                if self.tp.shm is not None:  # a step waiting in a shared-memory collective fails now
+                    shm_collectives.group(self.tp.shm).abort(str(self.error))
                 self._terminate()
                 for cb in list(self.on_failure):
                     with contextlib.suppress(Exception):
@@ -108,21 +115,23 @@ class Group:
     def _blame(self, cause: BaseException | str) -> str:
         deadline = time.monotonic() + 2  # a killed worker's sockets close before its exit status is ready
         while True:
-            for r, p in sorted(self.procs.items()):
+            for r in self.workers:
                 msg = _get(self.store, f"error/{r}")
                 if msg:
                     return f"tensor-parallel rank {r} failed: {msg}"
-                if p.poll() is not None:
+                p = self.procs.get(r)
+                if p is not None and p.poll() is not None:
                     return (f"tensor-parallel rank {r} (pid {p.pid}) exited with {_exit_status(p.returncode)}"
                             f"{_tail(self.logs, r)}")
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         now = time.time()
-        for r in sorted(self.procs):
+        for r in self.workers:
             seen = _get(self.store, f"alive/{r}")
             if seen and now - float(seen) > 3:
-                return f"tensor-parallel rank {r} (pid {self.procs[r].pid}) stopped responding ({now - float(seen):.0f} s " \
+                pid = f" (pid {self.procs[r].pid})" if r in self.procs else ""
+                return f"tensor-parallel rank {r}{pid} stopped responding ({now - float(seen):.0f} s " \
                        f"without a heartbeat); the step failed with: {str(cause)[:300]}"
         return f"tensor-parallel step failed: {str(cause)[:300]}"
 
@@ -133,7 +142,7 @@ class Group:
             if self.error is not None:
                 return
             dead = [r for r, p in self.procs.items() if p.poll() is not None]
-            errors = [r for r in self.procs if _get(self.store, f"error/{r}")]
+            errors = [r for r in self.workers if _get(self.store, f"error/{r}")]
             if dead or errors:
                 self.fail("a worker ended")
                 return
@@ -278,15 +287,15 @@ def launch(world: int, device: str, engine_kwargs: dict[str, Any], build: Callab
     return engine
 
 
-def _wait(store: dist.TCPStore, procs: dict[int, subprocess.Popen], logs: dict[int, Path], what: str,
-          doing: str) -> None:
-    pending = set(procs)
+def _wait(store: Any, procs: dict[int, subprocess.Popen], logs: dict[int, Path], what: str, doing: str,
+          ranks: Any = None) -> None:
+    pending = set(procs if ranks is None else ranks)
     while pending:
         for r in sorted(pending):
             err = _get(store, f"error/{r}")
             if err:
                 raise TensorParallelError(f"tensor-parallel rank {r} failed while {doing}: {err}")
-            if procs[r].poll() is not None:
+            if r in procs and procs[r].poll() is not None:
                 raise TensorParallelError(f"tensor-parallel rank {r} exited with {_exit_status(procs[r].returncode)} "
                                           f"while {doing}{_tail(logs, r)}")
             if store.check([f"{what}/{r}"]):
@@ -294,13 +303,80 @@ def _wait(store: dist.TCPStore, procs: dict[int, subprocess.Popen], logs: dict[i
         time.sleep(0.05)
 
 
-def _init(rank: int, world: int, store: dist.TCPStore, device: str) -> TensorParallel:
+def collectives(device: str) -> str:
+    """What the graphs' collectives run on: "shm" (shared memory, CPU ranks on this x86-64 host, unless
+    $SPECAIR_TP_COLLECTIVES=gloo) or the process group's backend."""
     backend = dist_backend(device)
+    if backend == "gloo" and shm_collectives.supported() and os.environ.get("SPECAIR_TP_COLLECTIVES") != "gloo":
+        return "shm"
+    return backend
+
+
+def _init(rank: int, world: int, store: dist.TCPStore, device: str) -> TensorParallel:
     kind = torch.device(device).type
     if kind != "cpu":
         getattr(torch, kind).set_device(rank)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout()))
-    return TensorParallel(dist.group.WORLD, rank, world)
+    dist.init_process_group(dist_backend(device), store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout()))
+    return _rank(rank, world, store, device, same_host=True)
+
+
+def _rank(rank: int, world: int, store: Any, device: str, same_host: bool) -> TensorParallel:
+    """This rank's TensorParallel once the process group is up: with the shared-memory collectives where
+    every rank is a CPU process on this host (`collectives`)."""
+    if not same_host or collectives(device) != "shm":
+        return TensorParallel(dist.group.WORLD, rank, world)
+    if rank == 0:
+        where = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="specair-tp-", dir=where)
+        os.close(fd)
+        shm = shm_collectives.ShmGroup(path, rank, world, dist.group.WORLD, timeout())
+        store.set("shm", path)
+    else:
+        shm = shm_collectives.ShmGroup(store.get("shm").decode(), rank, world, dist.group.WORLD, timeout())
+    dist.barrier()
+    if rank == 0:
+        os.unlink(path)  # every rank has it mapped; nothing is left behind however the group ends
+    return TensorParallel(dist.group.WORLD, rank, world, shm.id)
+
+
+# ---- torchrun ---------------------------------------------------------------------------------------------
+
+def torchrun_env() -> dict[str, Any] | None:
+    """torchrun's (torch.distributed.run's) environment when this process is one of its ranks, else None."""
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    return {"rank": int(os.environ["RANK"]), "world": world,
+            "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", world))}
+
+
+def join(world: int, device: str, build: Callable[[TensorParallel], Any], trace: str | None = None) -> Any:
+    """This process's place in a group torchrun started, one process per rank, each running the same command:
+    rank 0 builds and returns the driver's engine once every rank is ready; the others build theirs, follow
+    the driver until it stops, then exit the process. Collectives run in shared memory when every rank is on
+    this host (LOCAL_WORLD_SIZE = WORLD_SIZE), else on the process group's backend."""
+    global _current
+    env = torchrun_env()
+    if env is None or env["world"] != world:
+        raise InputError(f"--tensor-parallel-size {world} under torchrun needs WORLD_SIZE={world} (got "
+                         f"{None if env is None else env['world']})")
+    rank = env["rank"]
+    kind = torch.device(device).type
+    if kind != "cpu":
+        getattr(torch, kind).set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group(dist_backend(device), init_method="env://", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout()))
+    store = dist.distributed_c10d._get_default_store()
+    tp = _rank(rank, world, store, device, same_host=env["local_world"] == world)
+    if rank != 0:
+        sys.exit(_follow(rank, store, tp, build, trace))
+    engine = build(tp)
+    _wait(store, {}, {}, "ready", "loading its shard", ranks=range(1, world))
+    engine.group = _current = Group(tp, store, {}, {})
+    if trace:
+        engine.trace = engine.group.trace = []
+    return engine
 
 
 # ---- a worker -------------------------------------------------------------------------------------------
@@ -331,7 +407,22 @@ def worker_main(rank: int) -> int:
     world, t = config["world"], config["timeout"]
     os.environ["SPECAIR_TP_TIMEOUT"] = str(t)
     store = dist.TCPStore("127.0.0.1", config["port"], world, False, timeout=timedelta(seconds=600))
+    store.set(f"joined/{rank}", "1")
+    try:
+        tp = _init(rank, world, store, config["device"])
+    except BaseException as e:
+        with contextlib.suppress(Exception):
+            store.set(f"error/{rank}", f"{type(e).__name__}: {e}"[:1000])
+        raise
+    from specair.runtime.build import open_engine
 
+    return _follow(rank, store, tp, lambda tp: open_engine(**config["engine"], tp=tp), config["trace"])
+
+
+def _follow(rank: int, store: Any, tp: TensorParallel, build: Callable[[TensorParallel], Any],
+            trace: str | None) -> int:
+    """A worker rank: build its engine, say so, then run every step the driver broadcasts until STOP. Errors go
+    to the store (the driver names them) and end the process."""
     def alive() -> None:
         while True:
             with contextlib.suppress(Exception):
@@ -340,13 +431,9 @@ def worker_main(rank: int) -> int:
 
     engine = None
     try:
-        store.set(f"joined/{rank}", "1")
-        tp = _init(rank, world, store, config["device"])
         threading.Thread(target=alive, daemon=True).start()
-        from specair.runtime.build import open_engine
-
-        engine = open_engine(**config["engine"], tp=tp)
-        if config["trace"]:
+        engine = build(tp)
+        if trace:
             engine.trace = []
         store.set(f"ready/{rank}", "1")
         buf = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
@@ -359,8 +446,8 @@ def worker_main(rank: int) -> int:
             store.set(f"error/{rank}", f"{type(e).__name__}: {e}"[:1000])
         raise
     finally:
-        if config["trace"] and engine is not None and engine.trace is not None:
-            write_trace(engine.trace, config["trace"], rank)
+        if trace and engine is not None and engine.trace is not None:
+            write_trace(engine.trace, trace, rank)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
     return 0

@@ -10,9 +10,11 @@ import sys
 import time
 
 import pytest
+import torch
 from helpers import save_tiny
 from test_engine import random_heads
 
+from specair.models import shm_collectives
 from specair.models.checkpoint import load_checkpoint
 from specair.models.eagle import save_eagle
 from specair.models.errors import InputError, ModelFormatError
@@ -109,6 +111,81 @@ def test_two_ranks_equal_one_process(models, name, tmp_path, monkeypatch):
     rank0, rank1 = trace(tmp_path, 0), trace(tmp_path, 1)
     assert rank0 == rank1  # the same decisions and the same graphs, in the same order, on both ranks
     check_order(rank0, spec is not None)
+
+
+def test_collectives_run_in_shared_memory_by_default_and_on_gloo_when_asked(models, monkeypatch):
+    """CPU ranks on one x86-64 host all-reduce through shared memory; $SPECAIR_TP_COLLECTIVES=gloo keeps the
+    process group's collectives. Both give one process's greedy tokens."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with LLM(str(models / "target"), **KW) as one:
+        want = [r.token_ids for r in one.generate(PROMPTS, params)]
+    for kind in ("shm", "gloo"):
+        monkeypatch.setenv("SPECAIR_TP_COLLECTIVES", kind)
+        with LLM(str(models / "target"), tensor_parallel_size=2, **KW) as two:
+            assert (two.engine.group.tp.shm is not None) == (kind == "shm" and shm_collectives.supported())
+            assert [r.token_ids for r in two.generate(PROMPTS, params)] == want, kind
+
+
+def _shm_rank(rank, world, init, path, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    shm = shm_collectives.ShmGroup(path, rank, world, dist.group.WORLD, timeout=3, slot_bytes=4096)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(7, 5, generator=g, dtype=torch.float64)
+    big = torch.randn(1000, generator=g)  # 4000 bytes fit a slot; 1000 float64 do not: gloo's all-reduce
+    results = {"sum": shm.all_reduce(x), "gather": shm.all_gather(x[:2]), "big": shm.all_reduce(big.double()),
+               "again": torch.ops.specair.shm_all_reduce(x, shm.id), "x": x, "bigx": big.double()}
+    dist.barrier()
+    if rank == 1:
+        out[rank] = results
+        dist.destroy_process_group()
+        return  # does not come to the next collective
+    try:
+        shm.all_reduce(x)
+    except RuntimeError as e:
+        results["late"] = str(e)
+    out[rank] = results
+
+
+@pytest.mark.skipif(not shm_collectives.supported(), reason="shared-memory collectives need an x86-64 host")
+def test_shared_memory_collectives_between_two_processes(tmp_path):
+    """Both ranks get the same sum, bit for bit, equal to x0 + x1; the gather is in rank order; a collective
+    larger than a slot goes through gloo; a rank that never arrives fails the call naming it."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_shm_rank, args=(r, 2, f"file://{tmp_path}/store", str(tmp_path / "shm"), out))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        r0, r1 = dict(out[0]), dict(out[1])
+    assert all(p.exitcode == 0 for p in procs)
+    assert torch.equal(r0["sum"], r0["x"] + r1["x"]) and torch.equal(r1["sum"], r0["sum"])
+    assert torch.equal(r0["again"], r0["sum"])
+    assert torch.equal(r0["gather"], torch.cat([r0["x"][:2], r1["x"][:2]])) and torch.equal(r1["gather"], r0["gather"])
+    assert torch.allclose(r0["big"], r0["bigx"] + r1["bigx"]) and torch.equal(r1["big"], r0["big"])
+    assert "rank(s) [1] did not reach" in r0["late"]
+
+
+def test_torchrun_starts_the_ranks_of_one_command(models):
+    """Under torchrun every process runs the same `specair generate`: rank 0 drives and prints, rank 1 follows
+    and exits with it, and the tokens are one process's."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    with LLM(str(models / "target"), **KW) as one:
+        want = one.generate([PROMPTS[1]], params)[0].token_ids
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "specair.runtime.cli", "generate", "--model", str(models / "target"), "--tensor-parallel-size", "2",
+           "--backend", "eager", "--dtype", "fp64", "--max-context", "256", "--prompt-ids", json.dumps(PROMPTS[1]),
+           "--max-tokens", "12", "--ignore-eos", "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    printed = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(printed) == 1 and printed[0]["token_ids"] == want  # rank 0 alone prints
 
 
 def test_dead_worker_ends_the_driver_naming_it(models):
