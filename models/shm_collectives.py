@@ -75,9 +75,10 @@ class ShmGroup:
         views = self._views.get(key)
         if views is None:
             n = like.numel() * like.element_size()
-            views = self._views[key] = [
-                self.bytes[(parity * self.world + r) * self.slot_bytes:][:n].view(like.dtype).view(like.shape)
-                for r in range(self.world)]
+            with torch.inference_mode(False):  # plain views, written in and out of inference mode alike
+                views = self._views[key] = [
+                    self.bytes[(parity * self.world + r) * self.slot_bytes:][:n].view(like.dtype).view(like.shape)
+                    for r in range(self.world)]
         return views
 
     def _wait(self, generation: int) -> None:
