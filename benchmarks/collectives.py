@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
-    shm_path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tmp, f"specair-bench-{os.getpid()}")
+    shm_path = os.path.join(shm_collectives.mapping_dir(args.world) or tmp, f"specair-bench-{os.getpid()}")
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_rank, (args.world, f"file://{tmp}/store", shm_path, out), nprocs=args.world)

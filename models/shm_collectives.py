@@ -8,7 +8,8 @@ on all ranks, as the engine needs to sample the same tokens everywhere). Slots a
 parity of the generation: a rank may start writing call g only once every rank has published call g-1, that
 is, has finished reading call g-2, the last user of the same buffers.
 
-The collectives are torch custom ops (`torch.ops.specair.shm_all_reduce`, `shm_all_gather`), so Dynamo and
+The mapping is a file in /dev/shm (or the temporary directory where /dev/shm is too small), unlinked once every
+rank has mapped it. The collectives are torch custom ops (`torch.ops.specair.shm_all_reduce`, `shm_all_gather`), so Dynamo and
 Inductor keep them inside a compiled graph as opaque calls, as they keep functional collectives. Publication
 relies on stores becoming visible in program order (x86-64's TSO); elsewhere, and for a collective larger than
 a slot, ranks use the process group's own collectives. A rank that does not arrive within the timeout fails
@@ -34,6 +35,17 @@ _groups: dict[int, ShmGroup] = {}
 def group(group_id: int) -> ShmGroup:
     """The shared-memory group of this id in this process."""
     return _groups[group_id]
+
+
+def mapping_dir(world: int, slot_bytes: int = SLOT_BYTES) -> str | None:
+    """Where the mapping's file goes: /dev/shm when it has room for every slot (a container's is often 64 MB,
+    and a write past a full tmpfs is a SIGBUS), else the temporary directory (the page cache shares it as well)."""
+    need = _LINE * world + 2 * world * slot_bytes
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return "/dev/shm" if st.f_bavail * st.f_frsize >= need else None
 
 
 def supported() -> bool:

@@ -327,8 +327,7 @@ def _rank(rank: int, world: int, store: Any, device: str, same_host: bool) -> Te
     if not same_host or collectives(device) != "shm":
         return TensorParallel(dist.group.WORLD, rank, world)
     if rank == 0:
-        where = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix="specair-tp-", dir=where)
+        fd, path = tempfile.mkstemp(prefix="specair-tp-", dir=shm_collectives.mapping_dir(world))
         os.close(fd)
         shm = shm_collectives.ShmGroup(path, rank, world, dist.group.WORLD, timeout())
         store.set("shm", path)
