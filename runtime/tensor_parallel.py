@@ -2,8 +2,10 @@
 
 Rank 0, the driver, is the process the user started: it schedules, and before any graph of a step runs it
 sends that step's decisions (`StepMeta`) to every worker in one broadcast. Ranks 1..N-1, the workers, are
-processes specair starts; each holds its shard of the models, never schedules and runs what each message
-says (`Engine.follow`); the all-reduces and gathers inside the graphs keep the ranks' activations equal.
+processes specair starts (or, under torchrun, the other processes of the same command: `join`); each holds
+its shard of the models, never schedules and runs what each message says (`Engine.follow`); the
+all-reduces and gathers inside the graphs (in shared memory between CPU ranks on one host:
+models/shm_collectives) keep the ranks' activations equal.
 An empty message is the idle heartbeat, so a worker's receive never waits longer than the timeout for a
 live driver.
 
