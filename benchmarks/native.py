@@ -89,7 +89,6 @@ def main() -> None:
         summary[name] = {"first_token_s": statistics.median(x["first_token_s"] for x in rs),
                          "decode_tokens_per_s": statistics.median(pooled_rate(x["prompts"]) for x in rs),
                          "total_s": statistics.median(x["total_s"] for x in rs)}
-    nat, py = summary["specair-run"], summary["specair generate"]
     same = all(a["text"] == b["text"] for a, b in zip(runs["specair-run"], runs["specair generate"]))
     plan = json.loads((Path(args.artifacts) / "manifest.json").read_text())["plan"]
     # Rounds pair the two runtimes back to back, so the median of per-round ratios cancels slow drifts.
