@@ -15,8 +15,9 @@ Beside them, schemathesis fuzzes the server's own OpenAPI schema (`/openapi.json
 that no response is a 5xx. A sampler records the server's resident memory every 2 s.
 
 The report (`results.json`, `results.md`, `memory.png`): requests by kind, failures, mismatches against the
-solo runs, 5xx, hung clients (a request open longer than --hang-s), p50/p99 latency, schemathesis' verdict, and
-the memory series (idle, peak, after the first minute).
+solo runs, 5xx, hung clients (a request open longer than --hang-s), p50/p99 latency, the tokens the chats
+generated under load (their `usage`) per second, schemathesis' verdict, and the memory series (idle, peak,
+after the first minute).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class Soak:
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
         self.latency: list[float] = []
+        self.generated = 0  # completion tokens of the greedy and seeded chats answered under load
         self.problems: list[str] = []
         self.open: dict[int, float] = {}  # client -> start of its request in flight
         self.hung: set[int] = set()
@@ -104,25 +106,33 @@ class Soak:
 
     def body(self, i: int, seeded: bool, stream: bool) -> dict[str, Any]:
         extra = {**SEEDED, "seed": 1000 + i} if seeded else {"temperature": 0}
-        return {"messages": self.pool[i], "max_tokens": self.args.max_tokens, "stream": stream, **extra}
+        usage = {"stream_options": {"include_usage": True}} if stream else {}
+        return {"messages": self.pool[i], "max_tokens": self.args.max_tokens, "stream": stream, **extra, **usage}
 
-    def chat(self, client: httpx.Client, body: dict[str, Any]) -> tuple[int, str]:
-        """(status, text) of a chat request, streamed or not (a 5xx mid-stream counts as its status)."""
+    def chat(self, client: httpx.Client, body: dict[str, Any]) -> tuple[int, str, int]:
+        """(status, text, generated tokens) of a chat request, streamed or not (a 5xx mid-stream counts as its
+        status)."""
         if not body["stream"]:
             r = client.post("/v1/chat/completions", json=body)
-            return r.status_code, r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
-        text = ""
+            if r.status_code != 200:
+                return r.status_code, r.text, 0
+            answer = r.json()
+            return 200, answer["choices"][0]["message"]["content"], answer["usage"]["completion_tokens"]
+        text, tokens = "", 0
         with client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
                 r.read()
-                return r.status_code, r.text
+                return r.status_code, r.text, 0
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
-                        return 500, json.dumps(chunk["error"])
-                    text += chunk["choices"][0]["delta"].get("content") or ""
-        return 200, text
+                        return 500, json.dumps(chunk["error"]), 0
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    if chunk.get("choices"):
+                        text += chunk["choices"][0]["delta"].get("content") or ""
+        return 200, text, tokens
 
     def references(self) -> None:
         import httpx
@@ -130,7 +140,7 @@ class Soak:
         with httpx.Client(base_url=self.url, timeout=self.args.hang_s) as c:
             for i in range(len(self.pool)):
                 for seeded in (False, True):
-                    status, text = self.chat(c, self.body(i, seeded, stream=False))
+                    status, text, _ = self.chat(c, self.body(i, seeded, stream=False))
                     if status != 200:
                         raise SystemExit(f"solo run of prompt {i} failed: {status} {text[:200]}")
                     self.solo["seeded" if seeded else "greedy", i] = text
@@ -152,7 +162,9 @@ class Soak:
                         break
             self.note(kind, r.status_code, r.status_code == 200, f"abort answered {r.status_code}")
         else:
-            status, text = self.chat(client, self.body(i, kind == "seeded", stream=rng.random() < 0.7))
+            status, text, tokens = self.chat(client, self.body(i, kind == "seeded", stream=rng.random() < 0.7))
+            with self.lock:
+                self.generated += tokens
             same = status == 200 and text == self.solo[kind, i]
             self.note(kind, status, status == 200, f"{kind} prompt {i}: {status} {text[:120]!r}")
             if status == 200 and not same:
@@ -261,6 +273,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             c.start()
         for c in clients:
             c.join()
+        load_s = time.monotonic() - t0
         fuzz_rc, fuzz_cut = None, False
         if fuzz is not None:
             # A fuzzed request may still be generating; an interrupted schemathesis still reports what it found.
@@ -285,6 +298,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         "speculative_config": args.speculative_config, "max_context": args.max_context,
         "batch_buckets": args.batch_buckets, "backend": args.backend,
         "requests": dict(soak.counts), "hung_clients": len(soak.hung), "server_alive": alive,
+        "generated_tokens": soak.generated, "generated_tokens_per_s": soak.generated / load_s,
         "latency_s": {"p50": lat[len(lat) // 2] if lat else None,
                       "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None},
         "schemathesis": None if not args.fuzz else ("not installed" if fuzz is None else _fuzz_verdict(
@@ -323,7 +337,8 @@ def summary(report: dict[str, Any]) -> str:
     return "\n".join([
         "| kind | requests | failed | mismatches against solo |", "|---|---|---|---|", *lines, "",
         f"5xx: {req.get('5xx', 0)}; hung clients: {report['hung_clients']}; server alive: {report['server_alive']}; "
-        f"latency p50 {report['latency_s']['p50']:.2f} s, p99 {report['latency_s']['p99']:.2f} s",
+        f"latency p50 {report['latency_s']['p50']:.2f} s, p99 {report['latency_s']['p99']:.2f} s; "
+        f"{report['generated_tokens']} tokens generated under load, {report['generated_tokens_per_s']:.1f} tok/s",
         f"memory: idle {mem['idle']:.0f} MB, peak {mem['peak']:.0f} MB "
         f"(+{mem['peak'] - mem['idle']:.0f} MB), after the first minute {mem['after_first_minute'][0]:.0f}–"
         f"{mem['after_first_minute'][1]:.0f} MB",
