@@ -18,6 +18,7 @@ the call with a RuntimeError naming it.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import platform
@@ -30,11 +31,17 @@ from torch import Tensor
 SLOT_BYTES = 64 << 20  # per rank and parity; pages are committed only where written
 _LINE = 64
 _groups: dict[int, ShmGroup] = {}
+_ids = itertools.count()
 
 
 def group(group_id: int) -> ShmGroup:
     """The shared-memory group of this id in this process."""
     return _groups[group_id]
+
+
+def release(group_id: int) -> None:
+    """Forget a group whose ranks have stopped (its mapping goes once nothing views it)."""
+    _groups.pop(group_id, None)
 
 
 def mapping_dir(world: int, slot_bytes: int = SLOT_BYTES) -> str | None:
@@ -74,7 +81,7 @@ class ShmGroup:
         self.generation = 0
         self.aborted: str | None = None
         self._views: dict[tuple, list[Tensor]] = {}
-        self.id = len(_groups)
+        self.id = next(_ids)
         _groups[self.id] = self
 
     def abort(self, reason: str) -> None:

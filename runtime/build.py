@@ -307,9 +307,7 @@ def _tensor_parallel_engine(kwargs: dict[str, Any], world: int) -> Engine:
                          "shard's graphs into specair's cache; pass --backend instead")
     if kwargs["features"] is not None:
         raise InputError("recording features (distillation) runs on one process; drop --tensor-parallel-size")
-    backend = kwargs["backend"] or "eager"
-    if backend == AUTO:
-        backend = TP_AUTO_BACKEND if kwargs["dtype"] == "fp32" else "eager"
+    backend = TP_AUTO_BACKEND if kwargs["backend"] == AUTO else kwargs["backend"] or "eager"
     cls = type(get_backend(backend, kwargs["threads"], quantize=kwargs["quantize"]))
     if not cls.tensor_parallel:
         raise InputError(f"the {backend} backend cannot run tensor-parallel: {cls.tensor_parallel_why}; use "

@@ -173,6 +173,8 @@ class Group:
             self._terminate()
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+            if self.tp.shm is not None:
+                shm_collectives.release(self.tp.shm)
         if self.trace is not None and os.environ.get("SPECAIR_TP_TRACE"):
             write_trace(self.trace, os.environ["SPECAIR_TP_TRACE"], 0)
 
