@@ -2,8 +2,13 @@
 
     specair soak [--clients 16] [--minutes 10] [--speculative-config JSON] [--max-context N]
                  [--batch-buckets 1,2,4,8] [--backend NAME] [--no-fuzz] [--out DIR]
+    specair soak --server llama.cpp [--gguf FILE] ...
 
-Serving options left out are `specair serve`'s defaults.
+Serving options left out are `specair serve`'s defaults. `--server llama.cpp` soaks llama.cpp's OpenAI
+server (`python -m llama_cpp.server`, from llama-cpp-python) on the default model's GGUF instead, with the same
+clients, prompts and fuzzing: the server-to-server comparison. It answers one request at a time (its lock);
+it is started with `--interrupt_requests False` so that a new request waits instead of cutting a stream short.
+Its streams carry no `usage`; each of their chunks is one token, so the soak counts chunks there.
 
 Before the load, every prompt of a fixed pool runs alone, greedy and seeded (temperature 0.8, top-p 0.95),
 through the same server: those are the references. Then each client loops, choosing at random:
@@ -118,7 +123,7 @@ class Soak:
                 return r.status_code, r.text, 0
             answer = r.json()
             return 200, answer["choices"][0]["message"]["content"], answer["usage"]["completion_tokens"]
-        text, tokens = "", 0
+        text, tokens, chunks, usage = "", 0, 0, False
         with client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
                 r.read()
@@ -130,9 +135,11 @@ class Soak:
                         return 500, json.dumps(chunk["error"]), 0
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
-                    if chunk.get("choices"):
-                        text += chunk["choices"][0]["delta"].get("content") or ""
-        return 200, text, tokens
+                        usage = True
+                    if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                        text += chunk["choices"][0]["delta"]["content"]
+                        chunks += 1
+        return 200, text, tokens if usage else chunks
 
     def references(self) -> None:
         import httpx
@@ -224,19 +231,44 @@ def _fuzz_verdict(rc: int | None, cut: bool, log: Path) -> dict[str, Any]:
             "server_error_in_log": "Server error" in log.read_text(errors="replace"), "log": str(log)}
 
 
+def _server_command(args: argparse.Namespace, port: int) -> tuple[list[str], str]:
+    """The server's command line and the path that answers 200 once it is ready."""
+    if args.server == "specair":
+        cmd = [sys.executable, "-m", "specair.runtime.server", "--port", str(port), "--log-level", "warning"]
+        for flag, value in (("--model", args.model), ("--speculative-config", args.speculative_config),
+                            ("--backend", args.backend), ("--max-context", args.max_context),
+                            ("--batch-buckets", args.batch_buckets), ("--threads", args.threads),
+                            ("--artifacts", args.artifacts)):
+            if value:
+                cmd += [flag, str(value)]
+        return cmd, "/health"
+    given = [f for f, v in (("--model", args.model), ("--speculative-config", args.speculative_config),
+                            ("--backend", args.backend), ("--batch-buckets", args.batch_buckets),
+                            ("--artifacts", args.artifacts)) if v]
+    if given:
+        raise SystemExit(f"--server llama.cpp serves --gguf; {', '.join(given)} are specair serve's options")
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise SystemExit("llama.cpp's server needs llama-cpp-python: pip install 'llama-cpp-python[server]==0.3.36' "
+                         "(it compiles llama.cpp, ~7 minutes on 2 cores)")
+    if args.gguf is None:
+        from specair.models.default_model import default_gguf_path
+
+        args.gguf = str(default_gguf_path())
+    threads = str(args.threads or os.cpu_count() or 1)
+    return [sys.executable, "-m", "llama_cpp.server", "--model", args.gguf, "--host", "127.0.0.1",
+            "--port", str(port), "--n_ctx", str(args.max_context or 2048), "--n_threads", threads,
+            "--n_threads_batch", threads, "--interrupt_requests", "False", "--verbose", "False"], "/v1/models"
+
+
 def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     import httpx  # the dev extra's client; only the soak needs it
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
-    cmd = [sys.executable, "-m", "specair.runtime.server", "--port", str(port), "--log-level", "warning"]
-    for flag, value in (("--model", args.model), ("--speculative-config", args.speculative_config),
-                        ("--backend", args.backend), ("--max-context", args.max_context),
-                        ("--batch-buckets", args.batch_buckets), ("--threads", args.threads),
-                        ("--artifacts", args.artifacts)):
-        if value:
-            cmd += [flag, str(value)]
+    cmd, ready = _server_command(args, port)
     server = subprocess.Popen(cmd, stdout=open(out / "server.log", "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     memory: list[tuple[float, float]] = []
@@ -245,7 +277,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             if server.poll() is not None:
                 raise SystemExit(f"the server exited ({server.returncode}); see {out / 'server.log'}")
             try:
-                if httpx.get(f"{url}/health").status_code == 200:
+                if httpx.get(f"{url}{ready}").status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.5)
@@ -287,14 +319,14 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                 except subprocess.TimeoutExpired:
                     pass
         stop.set()
-        alive = server.poll() is None and httpx.get(f"{url}/health").status_code == 200
+        alive = server.poll() is None and httpx.get(f"{url}{ready}").status_code == 200
     finally:
         server.terminate()
         server.wait(30)
     lat = sorted(soak.latency)
     after_first = [m for t, m in memory if t >= 60] or [m for _, m in memory]
     report = {
-        "command": " ".join(sys.argv), "clients": args.clients, "minutes": args.minutes,
+        "command": " ".join(sys.argv), "server": args.server, "clients": args.clients, "minutes": args.minutes,
         "speculative_config": args.speculative_config, "max_context": args.max_context,
         "batch_buckets": args.batch_buckets, "backend": args.backend,
         "requests": dict(soak.counts), "hung_clients": len(soak.hung), "server_alive": alive,
@@ -350,6 +382,9 @@ def add_soak_parser(subparsers: Any) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--minutes", type=float, default=10)
+    p.add_argument("--server", choices=["specair", "llama.cpp"], default="specair",
+                   help="the server to soak: `specair serve`, or llama.cpp's OpenAI server on --gguf")
+    p.add_argument("--gguf", metavar="FILE", help="llama.cpp's model (default: the default model's Q4_1 GGUF)")
     p.add_argument("--model")
     # Unset serving options are left to `specair serve`'s defaults, so a bare `specair soak` soaks a bare serve.
     p.add_argument("--speculative-config", metavar="JSON")
@@ -370,5 +405,5 @@ def add_soak_parser(subparsers: Any) -> None:
 def cmd_soak(args: argparse.Namespace) -> None:
     report = run_soak(args)
     text = summary(report)
-    (Path(args.out) / "results.md").write_text(f"# specair soak\n\n`{report['command']}`\n\n{text}\n")
+    (Path(args.out) / "results.md").write_text(f"# specair soak ({args.server})\n\n`{report['command']}`\n\n{text}\n")
     print(text)

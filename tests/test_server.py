@@ -606,3 +606,25 @@ def test_serve_defaults_to_the_compiled_path(tiny_dir: Path, tmp_path: Path, mon
         assert built == (start == "first"), log.read_text()
     (art,) = (tmp_path / "cache" / "artifacts").iterdir()
     assert art.name.startswith("onnx-")
+
+
+def test_soak_against_a_real_server(tiny_dir: Path, tmp_path: Path) -> None:
+    """`specair soak` on a real `specair serve` (eager, two clients, a few seconds): every chat answered under load
+    matches its solo run, malformed bodies get 4xx, the tokens counted are the chats' own usage, and the report
+    is written; `--server llama.cpp` refuses specair serve's options by name."""
+    out = tmp_path / "soak"
+    r = subprocess.run([sys.executable, "-m", "specair.runtime.cli", "soak", "--model", str(tiny_dir),
+                        "--backend", "eager", "--max-context", "256", "--threads", "1", "--clients", "2",
+                        "--minutes", "0.15", "--no-fuzz", "--num-prompts", "2", "--max-tokens", "8", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads((out / "results.json").read_text())
+    req = report["requests"]
+    chats = req.get("greedy", 0) + req.get("seeded", 0)
+    assert chats > 0 and report["server_alive"] and report["hung_clients"] == 0, report
+    assert not any(k.endswith(("_failed", "_mismatch")) or k == "5xx" for k in req), report["problems"]
+    assert 0 < report["generated_tokens"] <= 8 * chats
+    assert (out / "results.md").read_text().startswith("# specair soak (specair)")
+    r = subprocess.run([sys.executable, "-m", "specair.runtime.cli", "soak", "--server", "llama.cpp", "--backend",
+                        "eager", "--out", str(tmp_path / "llama")], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--backend are specair serve's options" in r.stderr
