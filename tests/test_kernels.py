@@ -1,7 +1,8 @@
-"""specair's own onnxruntime kernels (compile/kernels): MatMulQ4_1 and CacheAttention are row-independent (each
-output row is bitwise what that row computes alone, whatever the other rows hold), on every instruction-set
-path this CPU has; MatMulQ4_1 computes the Q4_1 weights' product; and greedy speculation on the int4 path
-they serve equals plain decoding on that path, token for token."""
+"""specair's own onnxruntime kernels (compile/kernels): MatMulQ4_1, CacheAttention and FilteredProbs are
+row-independent (each output row is bitwise what that row computes alone, whatever the other rows hold), on
+every instruction-set path this CPU has; MatMulQ4_1 computes the Q4_1 weights' product; FilteredProbs is
+graphs/sampling.py's top-k/top-p distribution; and greedy speculation on the int4 path they serve equals plain
+decoding on that path, token for token."""
 
 from __future__ import annotations
 
@@ -176,6 +177,81 @@ def test_attention_refuses_a_length_outside_the_cache():
     with pytest.raises(Exception, match="outside its cache"):
         s.run(None, {"q": z(1, 2, 32), "k": z(1, 2, 16), "v": z(1, 2, 16), "kc": z(1, 1, 8, 16),
                      "vc": z(1, 1, 8, 16), "lens": np.array([8], np.int32), "total": np.array(8, np.int32)})
+
+
+def filter_session(shape):
+    node = helper.make_node(kernels.FILTER, ["x", "k", "p"], ["y"], domain=kernels.DOMAIN)
+    return _session([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape),
+                             helper.make_tensor_value_info("k", TensorProto.INT64, [shape[0]]),
+                             helper.make_tensor_value_info("p", TensorProto.FLOAT, [shape[0]])],
+                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)])
+
+
+def filter_rows(V=3000):
+    """Rows and filters that reach every branch: peaked and flat rows, top-k alone, top-p alone, both, a top-k
+    past the vocabulary, and kept sets reaching far below the largest logit (the widening search: row 3 by
+    top-p, row 6 by top-k)."""
+    rng = np.random.default_rng(0)
+    rows = [rng.normal(0, 3, V), rng.normal(0, 0.01, V), rng.normal(0, 3, V) + 30 * (rng.random(V) < 0.002),
+            np.where(np.arange(V) == 7, 17.0, rng.normal(0, 0.1, V)), rng.normal(0, 1, V), rng.normal(0, 5, V),
+            np.where(np.arange(V) < 3, 40.0, rng.normal(0, 1, V)), rng.normal(0, 2, V)]
+    top_k = [0, 0, 40, 0, 2000, V + 5, 500, 1]
+    top_p = [0.95, 0.5, 1.0, 0.9999, 0.9, 0.8, 0.999, 0.7]
+    return np.stack(rows).astype(np.float32), np.array(top_k, np.int64), np.array(top_p, np.float32)
+
+
+def exact_filter(x: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """graphs/sampling.py's filters for one row in float64: rank by logit (ties by id), top-k, then keep while
+    the mass ranked before a token is below top_p (top_k <= 0 and top_p >= 1 disable them), renormalised."""
+    V = len(x)
+    order = np.lexsort((np.arange(V), -x.astype(np.float64)))
+    e = np.exp(x[order].astype(np.float64) - x.max())
+    n = top_k if 0 < top_k < V else V
+    e[n:] = 0
+    if top_p < 1:
+        q = e / e.sum()
+        e[(np.cumsum(q) - q) >= top_p] = 0
+    out = np.zeros(V)
+    out[order] = e / e.sum()
+    return out
+
+
+def test_filtered_probs_is_the_sorted_filters_distribution():
+    """FilteredProbs keeps exactly the tokens the filters keep (sums in float64), with graphs/sampling.py's
+    probabilities, for [B, V] and [B, T, V] (row b's filters on each of its T rows); each row's bits are that
+    row's alone."""
+    from specair.graphs.sampling import logits_to_probs
+
+    x, k, p = filter_rows()
+    B, V = x.shape
+    ref = logits_to_probs(torch.from_numpy(x), torch.ones(B), torch.from_numpy(k), torch.from_numpy(p)).numpy()
+    got = filter_session([B, V]).run(None, {"x": x, "k": k, "p": p})[0]
+    for b in range(B):
+        want = exact_filter(x[b], int(k[b]), float(p[b]))
+        assert np.array_equal(got[b] > 0, want > 0), b
+        np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-7)
+    # The sort's float32 cumulative sum drops a few tokens whose probabilities are below 1e-5 (rows 2, 3).
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert np.count_nonzero(got[3]) > 100 and np.count_nonzero(got[2]) == 40 and np.count_nonzero(got[7]) == 1
+    assert np.count_nonzero(got[6]) == 3
+    one = filter_session([1, V])
+    for b in range(B):
+        alone = one.run(None, {"x": x[b:b + 1], "k": k[b:b + 1], "p": p[b:b + 1]})[0][0]
+        assert np.array_equal(alone, got[b]), b
+    xt = np.stack([x, x * 0.5, x - 3], axis=1)  # [B, 3, V]
+    out = filter_session([B, 3, V]).run(None, {"x": xt, "k": k, "p": p})[0]
+    assert np.array_equal(out[:, 0], got)
+    ref_t = logits_to_probs(torch.from_numpy(xt), torch.ones(B), torch.from_numpy(k), torch.from_numpy(p)).numpy()
+    np.testing.assert_allclose(out, ref_t, rtol=1e-5, atol=1e-5)
+
+
+def test_filtered_probs_breaks_ties_by_token_id():
+    x = np.zeros((2, 64), np.float32)
+    x[:, [5, 9, 30]] = 4.0
+    got = filter_session([2, 64]).run(None, {"x": x, "k": np.array([2, 0], np.int64),
+                                             "p": np.array([1.0, 0.3], np.float32)})[0]
+    assert np.flatnonzero(got[0]).tolist() == [5, 9] and np.allclose(got[0, [5, 9]], 0.5)
+    assert np.flatnonzero(got[1]).tolist() == [5, 9]  # each of the three holds 0.24 of the mass
 
 
 def test_greedy_speculation_on_the_int4_path_equals_plain_decoding_there(tmp_path_factory):

@@ -18,6 +18,7 @@ from helpers import save_tiny
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
+from specair.compile import kernels
 from specair.compile.backends import get_backend
 from specair.compile.backends.base import BackendUnavailable
 from specair.compile.backends.onnx import (
@@ -216,6 +217,15 @@ def test_unused_inputs_are_dropped_and_still_accepted(model, backend, art):
     assert [name for _, name, *_ in f._inputs] == ["in0", "in1", "k_cache", "v_cache"]
     assert_same(f(*graph.example_inputs), graph.eager(*graph.example_inputs))
 
+
+@pytest.mark.skipif(not kernels.enabled(), reason="specair's kernels do not build here")
+def test_filtered_sampling_is_one_kernel_node_not_a_sort(model, backend, art):
+    """With specair's kernels, top-k/top-p is captured as FilteredProbs: no graph sorts the vocabulary per row
+    (the rows of test_model_graphs_match_eager's B=2 decode use both filters and match eager)."""
+    graph = make_graph("decode", 2, 64, model)
+    backend.compile(graph, art)
+    ops = [(n.domain, n.op_type) for n in onnx.load(str(backend.path(graph, art)), load_external_data=False).graph.node]
+    assert (kernels.DOMAIN, kernels.FILTER) in ops and ("", "TopK") not in ops
 
 # ------------------------------------------------------------------------------- weights: once, shared
 

@@ -279,7 +279,7 @@ class OnnxBackend(Backend):
         try:
             # Weights stay graph inputs (no data written, nothing folded into renamed copies).
             torch_export(graph, tmp, self.opset, fold=False, export_params=False,
-                          fuse_attention=self.fuse_attention)
+                          fuse_attention=self.fuse_attention, kernel_filter=self.kernels)
             model = onnx.load(str(tmp))
         finally:
             tmp.unlink(missing_ok=True)

@@ -8,7 +8,9 @@ it is not used. A few lowerings are patched in for the duration of an export (`_
 `tril`/`triu` without Trilu (opset 14; the model's causal mask uses `tril`), `cumsum` of bool (the stock
 one emits an invalid CumSum on bool), `eye` via a float EyeLike (onnxruntime has no bool EyeLike),
 `sort(stable=True)` (the stock one misreads `stable` as `out=`), and `expand` to the traced static shape
-(the stock one mis-infers zero-size dims). No graph has dynamic axes.
+(the stock one mis-infers zero-size dims). No graph has dynamic axes. With specair's kernels, float32 top-k/top-p
+filtering is captured as one `specair.ort::FilteredProbs` node (compile/kernels/sampling.h) instead of a sort
+of the vocabulary per row (`filter_kernel`).
 
 These graphs are exported without constant folding, so each weight keeps its parameter name
 (`models.target.*`, `models.draft.*`) instead of turning into a folded, renamed copy, and each Linear's
@@ -33,8 +35,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from specair.compile import kernels
 from specair.compile.backends.onnx_attention import fused_kernel
 from specair.compile.graph_def import GraphDef
+from specair.graphs.sampling import logits_to_probs, use_filter
 from specair.models.errors import SpecairError
 from specair.models.llama import use_attention
 
@@ -162,12 +166,31 @@ def _cache_slots(graph: GraphDef) -> int | None:
     return None
 
 
+class _FilteredProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:  # noqa: ARG004
+        with use_filter(None):
+            return logits_to_probs(x, torch.ones_like(top_p), top_k, top_p)
+
+    @staticmethod
+    def symbolic(g, x, top_k, top_p):
+        out = g.op(f"{kernels.DOMAIN}::{kernels.FILTER}", x, top_k, top_p)
+        out.setType(x.type())
+        return out
+
+
+def filter_kernel(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """The filter for `use_filter` while exporting graphs that run on specair's kernels."""
+    return _FilteredProbs.apply(x, top_k, top_p)
+
+
 def torch_export(graph: GraphDef, path: Path, opset: int, *, fold: bool, export_params: bool,
-                  fuse_attention: bool = False) -> None:
+                  fuse_attention: bool = False, kernel_filter: bool = False) -> None:
     slots = _cache_slots(graph) if fuse_attention else None
-    kernel = use_attention(fused_kernel(slots)) if slots is not None else contextlib.nullcontext()
+    attention = use_attention(fused_kernel(slots)) if slots is not None else contextlib.nullcontext()
+    sampling = use_filter(filter_kernel) if kernel_filter else contextlib.nullcontext()
     with _export_lock, _symbolic_overrides(opset), torch.no_grad(), warnings.catch_warnings(record=True) as caught, \
-            kernel:
+            attention, sampling:
         warnings.simplefilter("always")  # recorded, not shown: the legacy exporter's deprecation notices
         try:
             torch.onnx.export(

@@ -1,6 +1,7 @@
 """specair's own row-independent kernels: the onnxruntime custom-op library with `specair.ort::MatMulQ4_1` (int4
-linear layers, q4_1.h) and `specair.ort::CacheAttention` (attention over the KV cache, attention.h), built from
-these sources on first use and cached by a hash of them.
+linear layers, q4_1.h), `specair.ort::CacheAttention` (attention over the KV cache, attention.h) and
+`specair.ort::FilteredProbs` (top-k/top-p without a sort of the vocabulary, sampling.h), built from these
+sources on first use and cached by a hash of them.
 
 The library needs onnxruntime's C API headers at build time only (onnxruntime hands its API over at load, so
 the library links nothing of it and loads into the pip wheel's runtime). The wheel ships no headers; they are
@@ -27,8 +28,9 @@ from specair.models.default_model import cache_dir
 from specair.models.errors import SpecairError
 
 BLOCK, TILE = 32, 16
-OP, ATTENTION, DOMAIN = "MatMulQ4_1", "CacheAttention", "specair.ort"
-_SOURCES = ("q4_1.h", "q4_1.cpp", "attention.h", "attention_simd.inc", "attention.cpp", "ort_ops.cpp")
+OP, ATTENTION, FILTER, DOMAIN = "MatMulQ4_1", "CacheAttention", "FilteredProbs", "specair.ort"
+_SOURCES = ("q4_1.h", "q4_1.cpp", "exp.h", "attention.h", "attention_simd.inc", "attention.cpp", "sampling.h",
+            "sampling.cpp", "ort_ops.cpp")
 _HERE = Path(__file__).parent
 _DEBIAN_PACKAGE = "libonnxruntime-dev"
 _DEBIAN_SOURCE = "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main"

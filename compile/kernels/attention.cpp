@@ -3,6 +3,7 @@
 // lanes with a fixed reduction, exp by one polynomial for all lanes, and the value sum over the visible keys
 // in order; the portable path does the same element by element, with the C library's exp.
 #include "attention.h"
+#include "exp.h"
 
 #include <immintrin.h>
 
@@ -16,11 +17,8 @@ namespace {
 
 constexpr float kHidden = -1e30f;
 
-// exp(x) for x <= 0 (Cephes' expf: 2^n times a degree-7 polynomial of the remainder); below -87 it is
-// exp(-87), about 1.6e-38, whose weight vanishes beside the largest score's 1.
-constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f, kExpMin = -87.0f;
-constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+// The SIMD paths' exp (exp.h) clamps below -87 to exp(-87), about 1.6e-38, whose weight vanishes beside the
+// largest score's 1.
 
 namespace portable {
 

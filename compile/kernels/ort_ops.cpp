@@ -4,6 +4,8 @@
 //   CacheAttention(q, k, v [B, T, *], k_cache, v_cache [B, Hkv, S, D], seqlens_k int32 [B], total int32,
 //                  bias [Bb, 1, T, S]?; num_heads, kv_num_heads, scale) -> out [B, T, H*D], k_present, v_present:
 //     GroupQueryAttention's contract (RoPE applied before), computed row-independently (attention.h).
+//   FilteredProbs(x [B, ..., V] float, top_k int64 [B], top_p float [B]) -> probs [B, ..., V]: row b's filters
+//     on each of its rows (sampling.h).
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
@@ -14,6 +16,7 @@
 
 #include "attention.h"
 #include "q4_1.h"
+#include "sampling.h"
 
 namespace {
 
@@ -171,6 +174,57 @@ struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
+struct FilterTask {
+  const float* x;
+  const int64_t* top_k;
+  const float* top_p;
+  float* probs;
+  int64_t V, rows_per_b;
+};
+
+void run_filter(void* data, size_t i) {
+  const auto& t = *static_cast<const FilterTask*>(data);
+  thread_local specair::FilterScratch scratch;
+  const int64_t r = static_cast<int64_t>(i), b = r / t.rows_per_b;
+  specair::filtered_probs_row(t.x + r * t.V, t.V, t.top_k[b], t.top_p[b], t.probs + r * t.V, scratch);
+}
+
+struct FilterKernel {
+  const OrtApi& api;
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    const auto x = ctx.GetInput(0), k = ctx.GetInput(1), p = ctx.GetInput(2);
+    const std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
+    const size_t B = k.GetTensorTypeAndShapeInfo().GetElementCount();
+    if (shape.size() < 2 || shape[0] != static_cast<int64_t>(B) || p.GetTensorTypeAndShapeInfo().GetElementCount() != B)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, "specair FilteredProbs: x must be [B, ..., V] with top_k and "
+                                                    "top_p [B]");
+    int64_t rows = 1;
+    for (size_t d = 0; d + 1 < shape.size(); ++d) rows *= shape[d];
+    FilterTask t{x.GetTensorData<float>(), k.GetTensorData<int64_t>(), p.GetTensorData<float>(),
+                 ctx.GetOutput(0, shape).GetTensorMutableData<float>(), shape.back(),
+                 B ? rows / static_cast<int64_t>(B) : 0};
+    if (rows == 0) return nullptr;
+    return api.KernelContext_ParallelFor(context, run_filter, static_cast<size_t>(rows), 0, &t);
+  }
+};
+
+struct FilterOp : Ort::CustomOpBase<FilterOp, FilterKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo*, void** kernel) const {
+    *kernel = new FilterKernel{api};
+    return nullptr;
+  }
+  const char* GetName() const { return "FilteredProbs"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
 }  // namespace
 
 extern "C" {
@@ -183,12 +237,14 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   static std::once_flag once;
   static Q4Op op;
   static AttentionOp attention;
+  static FilterOp filter;
   static Ort::CustomOpDomain* domain = nullptr;
   std::call_once(once, [base] {
     Ort::InitApi(base->GetApi(ORT_API_VERSION));
     domain = new Ort::CustomOpDomain("specair.ort");  // lives as long as the process: sessions keep using it
     domain->Add(&op);
     domain->Add(&attention);
+    domain->Add(&filter);
   });
   return Ort::GetApi().AddCustomOpDomain(options, *domain);
 }
