@@ -12,12 +12,14 @@ A backend may capture the filters as one op of its own (`use_filter`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from specair.models.llama import KernelSlot
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -45,20 +47,14 @@ def position_uniforms(seed: int, positions: np.ndarray, dtype: torch.dtype) -> T
 
 # The top-k/top-p filter `logits_to_probs` applies: its own sort, unless a backend swaps in a kernel for a
 # capture (`use_filter`).
-_FILTER: list[Callable[[Tensor, Tensor, Tensor], Tensor] | None] = [None]
+_FILTER = KernelSlot()
 
 
-@contextlib.contextmanager
-def use_filter(kernel: Callable[[Tensor, Tensor, Tensor], Tensor] | None) -> Iterator[None]:
+def use_filter(kernel: Callable[[Tensor, Tensor, Tensor], Tensor] | None) -> contextlib.AbstractContextManager[None]:
     """Filter float32 rows through `kernel(x, top_k, top_p)` while the block runs (None: the sort): x [B, ..., V]
     temperature-scaled logits, top_k and top_p [B] as `logits_to_probs` takes them; it returns the filtered
     distribution [B, ..., V]."""
-    prev = _FILTER[0]
-    _FILTER[0] = kernel
-    try:
-        yield
-    finally:
-        _FILTER[0] = prev
+    return _FILTER.use(kernel)
 
 
 def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
@@ -75,10 +71,10 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     x = (logits / t).float() if logits.dtype in (torch.float16, torch.bfloat16) else logits / t
     if not filtered:
         return x.softmax(dim=-1)
-    if _FILTER[0] is not None and x.dtype == torch.float32:
+    if _FILTER.fn is not None and x.dtype == torch.float32:
         # Rows without filters get the plain variant's softmax, so a batch's filtering never touches them.
         unfiltered = ((top_k <= 0) & (top_p >= 1)).view(-1, *extra)
-        return torch.where(unfiltered, x.softmax(dim=-1), _FILTER[0](x, top_k, top_p.to(x.dtype)))
+        return torch.where(unfiltered, x.softmax(dim=-1), _FILTER.fn(x, top_k, top_p.to(x.dtype)))
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).view(-1, *extra)
     p_max = top_p.view(-1, *extra).to(x.dtype)
     sorted_x, order = x.sort(dim=-1, descending=True)

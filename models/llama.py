@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -201,20 +201,29 @@ def rope_attend(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_pas
 
 # The attention kernel every layer calls: `rope_attend`, unless a backend swaps in its own for a capture
 # (`use_attention`); a replacement takes one more argument, the AttentionInputs.
-_ATTENTION: list = [None]
+class KernelSlot:
+    """A function a backend swaps in for reference code while it captures a graph (`use`); None: the reference."""
+
+    def __init__(self) -> None:
+        self.fn: Callable[..., Any] | None = None
+
+    @contextlib.contextmanager
+    def use(self, fn: Callable[..., Any] | None) -> Iterator[None]:
+        prev, self.fn = self.fn, fn
+        try:
+            yield
+        finally:
+            self.fn = prev
 
 
-@contextlib.contextmanager
-def use_attention(kernel) -> Iterator[None]:
+_ATTENTION = KernelSlot()
+
+
+def use_attention(kernel) -> contextlib.AbstractContextManager[None]:
     """Run every Attention layer through `kernel(q, k, v, cos, sin, k_past, v_past, mask, k_prev, v_prev,
     scale, heads, inputs)` (it must compute what `rope_attend` computes) while the block runs; backends use
     it to capture a fused op."""
-    prev = _ATTENTION[0]
-    _ATTENTION[0] = kernel
-    try:
-        yield
-    finally:
-        _ATTENTION[0] = prev
+    return _ATTENTION.use(kernel)
 
 
 class Attention(nn.Module):
@@ -233,7 +242,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        kernel, scale = _ATTENTION[0], 1.0 / math.sqrt(D)
+        kernel, scale = _ATTENTION.fn, 1.0 / math.sqrt(D)
         args = (q, k, v, cos, sin, k_past, v_past, mask, k_prev, v_prev, scale, (H, Hkv))
         if kernel is None or inputs is None:  # without AttentionInputs (training), no kernel can replace it
             out, k = rope_attend(*args)
