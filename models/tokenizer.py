@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from specair.models.config import read_json_object
 from specair.models.errors import InputError, ModelFormatError
@@ -307,9 +307,11 @@ def _sentencepiece_bpe(tokens: list[str], types: list[int], scores: list[float] 
     backend = tokenizers.Tokenizer(
         models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in merges], unk_token=unk, fuse_unk=True, byte_fallback=True)
     )
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False
-    )
+    # llama.cpp's SPM tokenizer (and sentencepiece's add_dummy_prefix) puts a space before every run of text
+    # that starts the input or follows a special token, also one starting with a space (" hi" -> "▁▁hi"),
+    # which Metaspace's prepend schemes skip; a normalizer runs on each run between added tokens.
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁")] * add_space_prefix + [normalizers.Replace(" ", "▁")])
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
     _add_gguf_added_tokens(backend, tokens, types)
