@@ -17,6 +17,7 @@ import torch
 
 from specair.models.config import ModelConfig, read_json_object
 from specair.models.errors import ModelFormatError
+from specair.models.llama import shard_layout, shard_slice, shard_state_dict
 from specair.models.tokenizer import Tokenizer
 
 
@@ -29,24 +30,35 @@ class Checkpoint:
     tokenizer: Tokenizer | None
     source: str
     fingerprint: str
+    shard: tuple[int, int] | None = None  # (rank, world) when `state_dict` holds one rank's parts (`shard_slice`)
 
 
 def load_checkpoint(
-    path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, progress: bool = True
+    path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, progress: bool = True,
+    shard: tuple[int, int] | None = None,
 ) -> Checkpoint:
     """Load a checkpoint: None -> the default model, a directory -> HF safetensors dir, a file starting with
-    `GGUF` -> GGUF, any other file -> llama2.c `.bin`. Weights come back in `dtype`."""
+    `GGUF` -> GGUF, any other file -> llama2.c `.bin`. Weights come back in `dtype`. With `shard` (rank,
+    world), only that rank's parts of each tensor (`shard_slice`): read alone from safetensors, cut from
+    the whole for GGUF and llama2.c (their tensors are quantized or interleaved as stored)."""
     if path is None:
         from specair.models.default_model import default_model_dir
 
         # The cache holds fp32/fp16/bf16 conversions; other dtypes (float64 for exactness tests) upcast fp32.
         cached = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-        return load_hf_dir(default_model_dir(cached, progress=progress), dtype)
+        return load_hf_dir(default_model_dir(cached, progress=progress), dtype, shard)
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelFormatError(f"{p}: no such file or directory")
     if p.is_dir():
-        return load_hf_dir(p, dtype)
+        return load_hf_dir(p, dtype, shard)
+    ckpt = _load_file(p, dtype, progress)
+    if shard is not None:
+        ckpt.state_dict, ckpt.shard = shard_state_dict(ckpt.state_dict, ckpt.config, *shard), shard
+    return ckpt
+
+
+def _load_file(p: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
     try:
         with open(p, "rb") as f:
             magic = f.read(4)
@@ -143,31 +155,39 @@ def _optional_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def check_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> dict[str, torch.Tensor]:
     """Validate names and shapes against `cfg`; drop rotary caches and a tied lm_head; warn about unknown tensors."""
+    return {k: sd[k] for k in checked_names({k: tuple(t.shape) for k, t in sd.items()}, cfg, source)}
+
+
+def checked_names(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, source: str) -> list[str]:
+    """The tensors to keep of a checkpoint whose tensors have `shapes`, validated against `cfg` as
+    `check_state_dict` does (before any is read, so a sharded load checks the whole shapes)."""
     required, optional = expected_shapes(cfg), _optional_shapes(cfg)
-    missing = [k for k in required if k not in sd]
+    missing = [k for k in required if k not in shapes]
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ModelFormatError(f"{source}: missing tensors {', '.join(missing[:3])}{more}")
-    out, unknown = {}, []
-    for k, t in sd.items():
+    keep, unknown = [], []
+    for k, shape in shapes.items():
         if k.endswith("rotary_emb.inv_freq") or (k == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         want = required.get(k) or optional.get(k)
         if want is None:
             unknown.append(k)
             continue
-        if tuple(t.shape) != want:
-            raise ModelFormatError(f"{source}: tensor {k} has shape {tuple(t.shape)}, config.json implies {want}")
-        out[k] = t
+        if shape != want:
+            raise ModelFormatError(f"{source}: tensor {k} has shape {shape}, config.json implies {want}")
+        keep.append(k)
     if unknown:
-        warnings.warn(f"{source}: ignoring {len(unknown)} unknown tensors, e.g. {unknown[0]}", stacklevel=3)
-    return out
+        warnings.warn(f"{source}: ignoring {len(unknown)} unknown tensors, e.g. {unknown[0]}", stacklevel=4)
+    return keep
 
 
 # ---- HF safetensors directory ----
 
-def load_hf_dir(directory: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load an HF model directory: config.json, model.safetensors (or a sharded index), tokenizer files."""
+def load_hf_dir(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                shard: tuple[int, int] | None = None) -> Checkpoint:
+    """Load an HF model directory: config.json, model.safetensors (or a sharded index), tokenizer files;
+    with `shard` (rank, world), reading only that rank's part of each tensor (`shard_slice`)."""
     from safetensors import safe_open
 
     d = Path(directory)
@@ -177,23 +197,46 @@ def load_hf_dir(directory: str | os.PathLike, dtype: torch.dtype = torch.float32
         raise ModelFormatError(f"{d}: no config.json; an HF model directory needs config.json and model.safetensors")
     cfg = ModelConfig.from_hf(read_json_object(d / "config.json"))
     files = _safetensors_files(d)
+    layout = None if shard is None else shard_layout(cfg, *shard)
 
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
+    def read(step: str, f: Path, each) -> None:  # noqa: ANN001
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
-                    t = st.get_tensor(name)
-                    if not t.is_floating_point():
-                        raise ModelFormatError(
-                            f"{f}: tensor {name} has dtype {t.dtype}; quantized checkpoints are not supported")
-                    sd[name] = t.to(dtype)
+                    each(st, name, f)
         except ModelFormatError:
             raise
         except Exception as e:  # SafetensorError, OSError, or torch's error on a short buffer
-            raise ModelFormatError(f"{f}: corrupt or truncated safetensors file ({e})") from None
-    sd = check_state_dict(sd, cfg, str(d))
-    return Checkpoint(cfg, sd, Tokenizer.from_hf_dir(d), str(d), file_sha256(files))
+            raise ModelFormatError(f"{f}: corrupt or truncated safetensors file ({step}: {e})") from None
+
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def header(st, name: str, f: Path) -> None:  # noqa: ANN001
+        part = st.get_slice(name)
+        if not part.get_dtype().startswith(("F", "BF")):
+            raise ModelFormatError(
+                f"{f}: tensor {name} has dtype {part.get_dtype()}; quantized checkpoints are not supported")
+        shapes[name] = tuple(part.get_shape())
+
+    for f in files:
+        read("header", f, header)
+    keep = set(checked_names(shapes, cfg, str(d)))
+    sd: dict[str, torch.Tensor] = {}
+
+    def tensor(st, name: str, f: Path) -> None:  # noqa: ANN001
+        if name not in keep:
+            return
+        cut = None if layout is None else shard_slice(layout, name, cfg)
+        if cut is None:
+            t = st.get_tensor(name)
+        else:
+            dim, start, stop = cut
+            t = st.get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
+        sd[name] = t.to(dtype)
+
+    for f in files:
+        read("data", f, tensor)
+    return Checkpoint(cfg, sd, Tokenizer.from_hf_dir(d), str(d), file_sha256(files), shard)
 
 
 def _safetensors_files(d: Path) -> list[Path]:

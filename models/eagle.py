@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from specair.models import memory
 from specair.models.config import ModelConfig, read_json_object
 from specair.models.errors import ModelFormatError
-from specair.models.llama import AttentionInputs, Block, ModelOutput, Transformer, vocab_logits
+from specair.models.llama import AttentionInputs, Block, ModelOutput, Transformer, full_vocab_weight, vocab_logits
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
@@ -140,7 +140,7 @@ class EagleHead(DraftHead):
         self.register_buffer("draft_lm_weight", weight.detach().index_select(0, self.draft_vocab), persistent=False)
 
     def _full_lm_weight(self) -> Tensor:
-        return self._lm_holder().weight
+        return full_vocab_weight(self._lm_holder())
 
     def _lm_holder(self) -> nn.Module:
         return self.tok_embeddings if self.output is None else self.output

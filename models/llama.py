@@ -112,7 +112,7 @@ def all_gather(x: Tensor, tp: TensorParallel) -> Tensor:
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding; under tensor parallelism (`tp` set by `shard`), this rank's rows of the vocabulary from
+    """nn.Embedding; under tensor parallelism (`tp` set by `build_model`), this rank's rows of the vocabulary from
     `vocab_start` on: tokens outside them embed as zeros and the ranks' embeddings are summed."""
 
     tp: TensorParallel | None = None
@@ -380,11 +380,17 @@ class Transformer(nn.Module):
         return memory.zeros(shape, self.dtype, device), memory.zeros(shape, self.dtype, device)
 
 
-def build_model(config: ModelConfig, state_dict: dict[str, Tensor],
-                dtype: torch.dtype = torch.float32) -> Transformer:
-    """A Transformer from an HF-named state dict (see `truncated` for a layer-skip draft)."""
+def build_model(config: ModelConfig, state_dict: dict[str, Tensor], dtype: torch.dtype = torch.float32,
+                tp: TensorParallel | None = None) -> Transformer:
+    """A Transformer from an HF-named state dict (see `truncated` for a layer-skip draft). With `tp`, the
+    state dict holds this rank's parts (`shard_slice`: what `load_checkpoint(..., shard=)` reads, or
+    `shard_state_dict` of a whole one) and the model is this rank's shard, its `config` this rank's heads."""
+    layout = None if tp is None else shard_layout(config, tp.rank, tp.world)
+    mine = config if layout is None else layout.config
+    rows = config.vocab_size if layout is None else layout.vocab[1] - layout.vocab[0]
     with torch.device("meta"):
-        model = Transformer(config, dtype)
+        model = Transformer(replace(mine, vocab_size=rows), dtype)
+    model.config = mine
     sd = state_dict
 
     def get(name: str) -> Tensor:
@@ -392,10 +398,14 @@ def build_model(config: ModelConfig, state_dict: dict[str, Tensor],
             raise ModelFormatError(f"checkpoint lacks tensor {name!r}")
         return sd[name].to(dtype)
 
-    ours: dict[str, Tensor] = {"tok_embeddings.weight": get("model.embed_tokens.weight"),
+    def vocab(name: str) -> Tensor:
+        t = get(name)  # the last rank's rows past the vocabulary are zeros, sliced off when gathered
+        return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+    ours: dict[str, Tensor] = {"tok_embeddings.weight": vocab("model.embed_tokens.weight"),
                                "norm.weight": get("model.norm.weight")}
     if not config.tie_word_embeddings:
-        ours["output.weight"] = get("lm_head.weight") if "lm_head.weight" in sd else ours["tok_embeddings.weight"]
+        ours["output.weight"] = vocab("lm_head.weight") if "lm_head.weight" in sd else ours["tok_embeddings.weight"]
     for i in range(config.num_layers):
         p, o = f"model.layers.{i}.", f"layers.{i}."
         att = p + "self_attn."
@@ -414,6 +424,12 @@ def build_model(config: ModelConfig, state_dict: dict[str, Tensor],
     model.load_state_dict(ours, strict=True, assign=True)
     cos, sin = rope_tables(config, dtype)
     model.rope_cos, model.rope_sin = cos, sin
+    if tp is not None:
+        for block in model.layers:
+            block.attention.tp = block.feed_forward.tp = tp
+        for holder in (model.tok_embeddings, model.output):
+            if holder is not None:
+                holder.tp, holder.vocab_start, holder.vocab_size = tp, layout.vocab[0], config.vocab_size
     return model.eval().requires_grad_(False)
 
 
@@ -458,55 +474,69 @@ def _split(n: int, world: int) -> list[int]:
     return [n // world + (r < n % world) for r in range(world)]
 
 
-def _rows(t: Tensor, start: int, stop: int, dim: int = 0) -> Tensor:
-    return t.narrow(dim, start, stop - start).contiguous()
+class ShardLayout(NamedTuple):
+    """One rank's part of a model under tensor parallelism, as [start, stop) ranges: its KV groups (a KV head
+    with its query heads), FFN units and vocabulary rows (ceil(V / world) per rank; the last rank's run past
+    the vocabulary and are zeros), and `config`, the model as this rank sees it (its heads and FFN width)."""
+
+    kv_groups: tuple[int, int]
+    ffn: tuple[int, int]
+    vocab: tuple[int, int]
+    config: ModelConfig
 
 
-def shard(model: Transformer, tp: TensorParallel) -> Transformer:
-    """Keep this rank's part of the model, in place (modules other models share, e.g. an EAGLE head's
-    embedding or a layer-skip draft's layers, see the same shards), and return it.
-
-    Attention: whole KV groups per rank (a KV head with its query heads), column-parallel QKV and
-    row-parallel output; MLP: column-parallel gate/up, row-parallel down; one all-reduce after each
-    row-parallel projection. Embedding and LM head: vocabulary-parallel (rows), with a summed embedding and
-    gathered logits. Ranks may hold unequal shares (9 heads in 3 KV groups split 6 + 3 over two ranks)."""
-    c, r, world = model.config, tp.rank, tp.world
+def shard_layout(config: ModelConfig, rank: int, world: int) -> ShardLayout:
+    """Rank `rank`'s part of a `config` model over `world` ranks. Attention: whole KV groups per rank,
+    column-parallel QKV and row-parallel output; MLP: column-parallel gate/up, row-parallel down (one
+    all-reduce after each row-parallel projection); embedding and LM head vocabulary-parallel (a summed
+    embedding, gathered logits). Ranks may hold unequal shares (9 heads in 3 KV groups: 6 + 3 over two)."""
+    c = config
     if c.num_kv_heads < world:
         raise ModelFormatError(f"tensor parallelism over {world} ranks needs at least {world} KV heads; the model "
                                f"has {c.num_kv_heads}")
-    groups, group_size, D = _split(c.num_kv_heads, world), c.num_heads // c.num_kv_heads, c.head_dim
-    g0 = sum(groups[:r])
-    kv = (g0, g0 + groups[r])
-    ffn = _split(c.intermediate_size, world)
-    f0 = sum(ffn[:r])
-    for block in model.layers:
-        a, f = block.attention, block.feed_forward
-        if a.tp is None:
-            H, Hkv = a.n_heads, a.n_kv
-            q = (kv[0] * group_size * D, kv[1] * group_size * D)
-            k = (H * D + kv[0] * D, H * D + kv[1] * D)
-            v = (k[0] + Hkv * D, k[1] + Hkv * D)
-            keep = torch.cat([torch.arange(*q), torch.arange(*k), torch.arange(*v)])
-            a.wqkv.weight = nn.Parameter(a.wqkv.weight.index_select(0, keep), requires_grad=False)
-            if a.wqkv.bias is not None:
-                a.wqkv.bias = nn.Parameter(a.wqkv.bias.index_select(0, keep), requires_grad=False)
-            a.wo.weight = nn.Parameter(_rows(a.wo.weight, *q, dim=1), requires_grad=False)
-            a.n_heads, a.n_kv, a.tp = groups[r] * group_size, groups[r], tp
-        if f.tp is None:
-            I = f.w2.weight.shape[1]
-            w13 = f.w13.weight
-            f.w13.weight = nn.Parameter(torch.cat([_rows(w13, f0, f0 + ffn[r]), _rows(w13, I + f0, I + f0 + ffn[r])]),
-                                        requires_grad=False)
-            f.w2.weight = nn.Parameter(_rows(f.w2.weight, f0, f0 + ffn[r], dim=1), requires_grad=False)
-            f.tp = tp
-    for holder in (model.tok_embeddings, model.output):
-        if holder is not None and getattr(holder, "tp", None) is None:
-            V = holder.weight.shape[0]
-            per = -(-V // world)
-            w = torch.zeros(per, holder.weight.shape[1], dtype=holder.weight.dtype, device=holder.weight.device)
-            mine = holder.weight[r * per:(r + 1) * per]
-            w[:mine.shape[0]] = mine  # the last rank's rows past the vocabulary stay zero (sliced off when gathered)
-            holder.weight = nn.Parameter(w, requires_grad=False)
-            holder.tp, holder.vocab_start, holder.vocab_size = tp, r * per, V
-    model.config = replace(c, num_heads=groups[r] * group_size, num_kv_heads=groups[r], intermediate_size=ffn[r])
-    return model
+    groups, ffn = _split(c.num_kv_heads, world), _split(c.intermediate_size, world)
+    g0, f0, per = sum(groups[:rank]), sum(ffn[:rank]), -(-c.vocab_size // world)
+    mine = replace(c, num_heads=groups[rank] * (c.num_heads // c.num_kv_heads), num_kv_heads=groups[rank],
+                   intermediate_size=ffn[rank])
+    return ShardLayout((g0, g0 + groups[rank]), (f0, f0 + ffn[rank]), (rank * per, (rank + 1) * per), mine)
+
+
+def shard_slice(layout: ShardLayout, name: str, config: ModelConfig) -> tuple[int, int, int] | None:
+    """(dim, start, stop): the part of HF-named checkpoint tensor `name` (of a `config` model) that the rank
+    of `layout` keeps; None for a tensor every rank keeps whole (the norms)."""
+    D, G = config.head_dim, config.num_heads // config.num_kv_heads
+    (g0, g1), (f0, f1), (v0, v1), _ = layout
+    kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+    if kind == "q_proj":
+        return 0, g0 * G * D, g1 * G * D
+    if kind in ("k_proj", "v_proj"):
+        return 0, g0 * D, g1 * D
+    if kind == "o_proj" and name.endswith("weight"):
+        return 1, g0 * G * D, g1 * G * D
+    if kind in ("gate_proj", "up_proj"):
+        return 0, f0, f1
+    if kind == "down_proj":
+        return 1, f0, f1
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return 0, v0, min(v1, config.vocab_size)
+    return None
+
+
+def shard_state_dict(state_dict: dict[str, Tensor], config: ModelConfig, rank: int,
+                     world: int) -> dict[str, Tensor]:
+    """The parts of an HF-named state dict rank `rank` of `world` keeps (`shard_slice`), as views."""
+    layout = shard_layout(config, rank, world)
+    out = {}
+    for name, t in state_dict.items():
+        part = shard_slice(layout, name, config)
+        out[name] = t if part is None else t.narrow(part[0], part[1], part[2] - part[1])
+    return out
+
+
+def full_vocab_weight(holder: nn.Module) -> Tensor:
+    """The LM head's weight [V, H] from its holder: under tensor parallelism every rank's rows, gathered
+    (a collective, so every rank calls it at the same point: where a head copies rows of it at load)."""
+    tp = getattr(holder, "tp", None)
+    if tp is None:
+        return holder.weight
+    return all_gather(holder.weight.contiguous(), tp)[:holder.vocab_size]

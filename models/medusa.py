@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from specair.models.eagle import (check_draft_vocab, lm_logits, read_config, read_safetensors,
                                   resolve_weights_file, save_safetensors)
 from specair.models.errors import ModelFormatError
-from specair.models.llama import Transformer
+from specair.models.llama import Transformer, full_vocab_weight
 
 WEIGHTS_NAME = "medusa_lm_head.safetensors"
 _UNTIED_VOCAB = "a draft vocabulary restricts the shared (tied) LM head; untied heads have their own"
@@ -57,7 +57,7 @@ class MedusaHeads(nn.Module):
         self.out_weight = nn.Parameter(torch.empty(num_heads, c.vocab_size, H, **kw)) if untied else None
         if untied and not empty:
             with torch.no_grad():
-                self.out_weight.copy_(_lm_weight(target).expand(num_heads, -1, -1))  # Medusa's initialisation
+                self.out_weight.copy_(full_vocab_weight(target.lm_holder).expand(num_heads, -1, -1))  # Medusa's initialisation
         # The target's LM head, shared as submodules (never copied).
         self.tok_embeddings = target.tok_embeddings
         self.output = target.output
@@ -88,7 +88,7 @@ class MedusaHeads(nn.Module):
         self.register_buffer("draft_lm_weight", weight.detach().index_select(0, self.draft_vocab), persistent=False)
 
     def _shared_lm_weight(self) -> Tensor:
-        return self._lm_holder().weight
+        return full_vocab_weight(self._lm_holder())
 
     def _lm_holder(self) -> nn.Module:
         return self.tok_embeddings if self.output is None else self.output
@@ -115,10 +115,6 @@ class MedusaHeads(nn.Module):
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] (the target's normed hidden state) -> logits [..., num_heads, V]."""
         return self.logits(self.features(hidden))
-
-
-def _lm_weight(target: Transformer) -> Tensor:
-    return target.tok_embeddings.weight if target.output is None else target.output.weight
 
 
 def save_medusa(heads: MedusaHeads, directory: str | os.PathLike) -> None:

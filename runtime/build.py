@@ -23,7 +23,7 @@ from specair.compile.plan import VARIANTS, Plan
 from specair.compile.spec_config import SpeculativeConfig
 from specair.models.checkpoint import load_checkpoint
 from specair.models.errors import InputError
-from specair.models.llama import TensorParallel, Transformer, build_model, shard, with_features
+from specair.models.llama import TensorParallel, Transformer, build_model, with_features
 from specair.runtime.engine import Engine
 from specair.runtime.native_manifest import write_native
 from specair.runtime.output import eos_ids
@@ -44,11 +44,12 @@ class Models:
     fingerprints: dict[str, Any]
 
 
-def load_model(path: str | None, dtype: str) -> tuple[Transformer, Any, str]:
-    """A model, its tokenizer (None for checkpoints without one) and its weights' fingerprint."""
+def load_model(path: str | None, dtype: str, tp: TensorParallel | None = None) -> tuple[Transformer, Any, str]:
+    """A model (with `tp`, this rank's shard, of which it reads only its part), its tokenizer (None for
+    checkpoints without one) and its weights' fingerprint."""
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(path, dtype=DTYPES[dtype])
-    model = build_model(ckpt.config, ckpt.state_dict, DTYPES[dtype])
+    ckpt = load_checkpoint(path, dtype=DTYPES[dtype], shard=None if tp is None else (tp.rank, tp.world))
+    model = build_model(ckpt.config, ckpt.state_dict, DTYPES[dtype], tp)
     log(f"loaded {ckpt.source} ({ckpt.config.model_type}, {ckpt.config.num_layers} layers, {dtype}) "
         f"in {time.perf_counter() - t0:.1f}s")
     return model, ckpt.tokenizer, ckpt.fingerprint
@@ -59,9 +60,9 @@ def load_models(path: str | None, dtype: str, spec: SpeculativeConfig | None, de
     """The target, its tokenizer and the model of the proposer the speculative config names (the proposer
     loads it: a draft checkpoint, the target's first layers, heads), all moved to `device`. `features`:
     the target's hidden output is the inputs of these layers and its final state (`with_features`), for
-    distillation. With `tp`, this rank's shard of the target and of a draft model (`shard`); heads stay
-    whole on every rank, reading the target's sharded embedding and LM head."""
-    target, tokenizer, fp = load_model(path, dtype)
+    distillation. With `tp`, this rank's shard of the target and of a draft model; heads stay whole on
+    every rank, reading the target's sharded embedding and LM head."""
+    target, tokenizer, fp = load_model(path, dtype, tp)
     fingerprints: dict[str, Any] = {"target": fp, "tokenizer": tokenizer_fingerprint(tokenizer), "dtype": dtype}
     if features is not None:
         target = with_features(target, tuple(features), final=True)
@@ -69,14 +70,11 @@ def load_models(path: str | None, dtype: str, spec: SpeculativeConfig | None, de
     draft = None
     if spec is not None:
         draft, draft_fp = proposer_class(spec.method).load(spec, target, tokenizer, path,
-                                                           lambda p: load_model(p, dtype))
+                                                           lambda p: load_model(p, dtype, tp))
         if draft_fp is not None:
             fingerprints["draft"] = draft_fp
         target = proposer_class(spec.method).target_view(target, draft)
     if tp is not None:
-        shard(target, tp)
-        if isinstance(draft, Transformer):
-            shard(draft, tp)
         fingerprints["tensor_parallel"] = [tp.rank, tp.world, "shm" if tp.shm is not None else "group"]
     if device != "cpu":
         target = target.to(device)

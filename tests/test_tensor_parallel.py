@@ -18,7 +18,7 @@ from specair.models import shm_collectives
 from specair.models.checkpoint import load_checkpoint
 from specair.models.eagle import save_eagle
 from specair.models.errors import InputError, ModelFormatError
-from specair.models.llama import build_model
+from specair.models.llama import TensorParallel, build_model, shard_layout, shard_slice, shard_state_dict
 from specair.models.medusa import save_medusa
 from specair.runtime.llm import LLM
 from specair.runtime.params import SamplingParams
@@ -216,6 +216,47 @@ def test_hung_worker_times_out_naming_it(models, monkeypatch):
     assert time.monotonic() - t0 < 30
     assert worker.poll() is not None  # ended with the group, though stopped
     llm.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_each_rank_reads_only_its_part_of_the_checkpoint(tmp_path, kind, world):
+    """9 query heads in 3 KV groups, FFN 100 and a vocabulary of 257 over 2 and 3 ranks (unequal shares, a
+    padded last vocabulary shard; qwen2: QKV biases, tied head; llama: its own LM head): each rank reads
+    its slice of every tensor, the same as cutting the whole checkpoint, and the ranks' parts put back
+    together are the whole; a rank's model holds just them."""
+    save_tiny(kind, tmp_path, hidden_size=72, num_attention_heads=9, num_key_value_heads=3, head_dim=8,
+              intermediate_size=100, vocab_size=257)
+    whole = load_checkpoint(tmp_path, progress=False)
+    cfg, full = whole.config, whole.state_dict
+    parts = [load_checkpoint(tmp_path, progress=False, shard=(r, world)) for r in range(world)]
+    for r, part in enumerate(parts):
+        assert part.shard == (r, world) and part.state_dict.keys() == full.keys()
+        cut = shard_state_dict(full, cfg, r, world)
+        assert all(torch.equal(part.state_dict[k], cut[k]) for k in full)
+    for name, t in full.items():
+        pieces = [p.state_dict[name] for p in parts]
+        if shard_slice(shard_layout(cfg, 0, world), name, cfg) is None:
+            assert all(torch.equal(p, t) for p in pieces), name
+        else:
+            dim = shard_slice(shard_layout(cfg, 0, world), name, cfg)[0]
+            assert torch.equal(torch.cat(pieces, dim), t), name
+    norms = sum(t.numel() for k, t in full.items() if k.endswith("norm.weight"))
+    read = sum(t.numel() for p in parts for t in p.state_dict.values())
+    assert read == sum(t.numel() for t in full.values()) + (world - 1) * norms
+
+    heads = [shard_layout(cfg, r, world).config for r in range(world)]
+    assert [c.num_kv_heads for c in heads] == [3 // world + (r < 3 % world) for r in range(world)]
+    assert sum(c.num_heads for c in heads) == 9 and sum(c.intermediate_size for c in heads) == 100
+    model = build_model(cfg, parts[-1].state_dict, tp=TensorParallel(None, world - 1, world))
+    per = -(-257 // world)
+    assert model.config == heads[-1] and model.config.vocab_size == 257
+    assert model.tok_embeddings.weight.shape == (per, 72) and model.tok_embeddings.vocab_start == (world - 1) * per
+    assert torch.equal(model.tok_embeddings.weight[:257 - (world - 1) * per], full["model.embed_tokens.weight"][-(257 - (world - 1) * per):])
+    assert not model.tok_embeddings.weight[257 - (world - 1) * per:].any()
+    a = model.layers[0].attention
+    assert a.wqkv.weight.shape[0] == (heads[-1].num_heads + 2 * heads[-1].num_kv_heads) * 8 and a.tp.world == world
+    assert (a.wqkv.bias is not None) == (kind == "qwen2")
 
 
 def test_bad_setups_are_refused(models):
