@@ -21,3 +21,13 @@ def default_hf_dir() -> Path:
     from specair.models.default_model import default_model_dir
 
     return default_model_dir(progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf(default_gguf):
+    """transformers' model of the default GGUF (its own dequantization), loaded once: it takes ~20 s."""
+    import torch
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it for gguf_file=
+    return transformers.AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name,
+                                                             dtype=torch.float32).eval()

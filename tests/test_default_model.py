@@ -29,14 +29,6 @@ def ours(default_hf_dir):
     return build_model(ckpt.config, ckpt.state_dict), ckpt.tokenizer
 
 
-@pytest.fixture(scope="module")
-def hf_gguf(default_gguf):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name,
-                                                dtype=torch.float32).eval()
-
-
 def chat_ids(tok, text):
     return tok.encode_chat([{"role": "user", "content": text}])
 

@@ -9,7 +9,7 @@ import torch
 import torch._dynamo
 from helpers import save_tiny
 
-from specair.graphs.draft import draft_chain, draft_static_tree, draft_topk_tree
+from specair.graphs.draft import draft_static_tree, draft_topk_tree
 from specair.graphs.kv import commit_kv
 from specair.graphs.steps import decode_step, prefill_chunk
 from specair.graphs.tree import buffers_from_parents, get_template
@@ -87,25 +87,17 @@ def test_prefill_and_decode_compile(model):
              lambda kv: (tokens[:, 0], torch.tensor([5, 40]), *kv, *SAMPLING, torch.tensor([0.3, 0.6])))
 
 
-# A chain and a static tree; the larger static trees (mc_sim_7b_63) are the same graph code at another size,
-# compared with eager in test_speculative.py.
-@pytest.mark.parametrize("tree", ["chain", "kary:2x2"])
-def test_draft_and_verify_compile(model, tree):
-    tpl = get_template(None if tree == "chain" else tree, 3)
+# A static tree; the larger static trees (mc_sim_7b_63) are the same graph code at another size, compared
+# with eager in test_speculative.py. A chain's draft and verify graphs compile under the same rules
+# (fullgraph, no recompiles) in test_compile.py's inductor-chain generation.
+def test_draft_and_verify_compile(model):
+    tpl = get_template("kary:2x2", 3)
     D = tpl.max_depth
     caches = filled_cache(model)
     catch = torch.randint(0, 256, (B, D + 1))
     n_catch, draft_len = torch.tensor([2, D + 1]), torch.tensor([10, 50])
-    if tpl.max_width == 1:
-        def fn(*a):
-            return draft_chain(model, *a[:5], D, *a[5:], ctx=CTX)
-
-        u = torch.rand(B, D)
-        args = lambda kv: (catch, n_catch, draft_len, *kv, *SAMPLING, u)  # noqa: E731
-    else:
-        fn = functools.partial(draft_static_tree, model, template=tpl, ctx=CTX)
-        args = lambda kv: (catch, n_catch, draft_len, *kv)  # noqa: E731
-    drafted, _ = run_both(fn, caches, args)
+    fn = functools.partial(draft_static_tree, model, template=tpl, ctx=CTX)
+    drafted, _ = run_both(fn, caches, lambda kv: (catch, n_catch, draft_len, *kv))
     tokens, ck = drafted[0], drafted[-2]
     assert ck.shape[3] == D + 1
     assert tokens.shape == (B, tpl.num_nodes) and len(drafted) == 3

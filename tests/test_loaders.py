@@ -107,11 +107,8 @@ def default_ckpt(default_gguf):
     return load_gguf(default_gguf, progress=False)
 
 
-def test_default_gguf_matches_transformers(default_gguf, default_ckpt):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it for gguf_file=
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
+def test_default_gguf_matches_transformers(hf_gguf, default_ckpt):
+    model = hf_gguf
     theirs = model.state_dict()
     cfg = default_ckpt.config
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
