@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from specair.models.errors import SpecairError
 from specair.runtime.async_engine import EngineDeadError, RequestFailedError
-from specair.runtime.params import GenerationResult, SamplingParams
+from specair.runtime.params import MAX_TEMPERATURE, MIN_TEMPERATURE, GenerationResult, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
@@ -107,7 +107,8 @@ class SamplingRequest(_Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False,
+                               description=f"0 is greedy; otherwise at least {MIN_TEMPERATURE}")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="0 or -1 disables (vLLM's convention)")
     seed: int | None = Field(None, ge=0, lt=2**64)
@@ -130,6 +131,13 @@ class SamplingRequest(_Strict):
         if v not in NO_OP_VALUES[info.field_name]:
             raise ValueError(f"{json.dumps(v)} is not supported: specair does not implement {info.field_name}; "
                              "omit it")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if 0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
         return v
 
     @field_validator("n")

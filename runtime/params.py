@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
@@ -16,6 +15,9 @@ from specair.compile.catalog import uniform_dtype
 from specair.graphs.sampling import position_uniforms, sampling_variant
 from specair.models.errors import InputError
 from specair.runtime.detokenize import IncrementalDetokenizer
+
+
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 1e4  # vLLM's floor; above the ceiling sampling is uniform already
 
 
 @dataclass(frozen=True)
@@ -33,9 +35,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InputError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise InputError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        # Bounded so that logits / temperature stays finite in every model dtype (float16 included): a
+        # temperature of 1e307 overflowed the sampling tensors and failed the whole batch's step.
+        if not (isinstance(self.temperature, (int, float)) and (self.temperature == 0
+                or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE)):
+            raise InputError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}], "
+                             f"got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -131,8 +131,11 @@ def test_eos_and_max_tokens(tiny, tiny_ckpt):
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
 
 
-@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
-                                 dict(stop=("",))])
+# Temperatures past float16's range (found by the soak's fuzzing: 3.86e307 failed the batch's step) or so
+# small that logits / temperature overflows are refused, as are NaN and infinity.
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(temperature=3.86e307),
+                                 dict(temperature=1e-300), dict(temperature=float("nan")),
+                                 dict(temperature=float("inf")), dict(top_p=0), dict(top_k=-2), dict(stop=("",))])
 def test_bad_sampling_params(bad):
     with pytest.raises(InputError):
         SamplingParams(**bad)

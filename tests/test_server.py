@@ -335,6 +335,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 3.861078197945001e+307}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 1e-300}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "stop": ["ok", ""]}, 400, "stop"),
