@@ -524,12 +524,13 @@ def shard_slice(layout: ShardLayout, name: str, config: ModelConfig) -> tuple[in
 
 def shard_state_dict(state_dict: dict[str, Tensor], config: ModelConfig, rank: int,
                      world: int) -> dict[str, Tensor]:
-    """The parts of an HF-named state dict rank `rank` of `world` keeps (`shard_slice`), as views."""
+    """The parts of an HF-named state dict rank `rank` of `world` keeps (`shard_slice`), each a compact copy:
+    a view would keep the whole tensor alive, and a column slice would be strided in every matmul."""
     layout = shard_layout(config, rank, world)
     out = {}
     for name, t in state_dict.items():
         part = shard_slice(layout, name, config)
-        out[name] = t if part is None else t.narrow(part[0], part[1], part[2] - part[1])
+        out[name] = t if part is None else t.narrow(part[0], part[1], part[2] - part[1]).clone()
     return out
 
 
