@@ -251,8 +251,12 @@ class Engine:
         self.kv.resize(row + 1, [len(x.tokens) for x in self.rows],
                        max([s.committed] + [x.committed for x in self.rows]))
         self.rows.append(s)
-        self.kv.insert(row, s.committed)
-        self.state.set_row(row, s)
+        try:
+            self.kv.insert(row, s.committed)
+            self.state.set_row(row, s)
+        except Exception:  # taken back whole, so that the failure stays this request's alone
+            self._remove_row(row)
+            raise
 
     def _remove_row(self, i: int) -> None:
         """Free row i: the last row moves into it, then the caches shrink to the smallest bucket that fits."""
