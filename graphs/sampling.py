@@ -81,8 +81,9 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     ranks = torch.arange(V, device=logits.device)
     sorted_x = sorted_x.masked_fill(ranks >= k, float("-inf"))
     p = sorted_x.softmax(dim=-1)
-    # Keep a token while the mass strictly above it is below top_p: the smallest set reaching top_p.
-    keep = (p.cumsum(dim=-1) - p) < p_max
+    # Keep a token while the mass strictly above it is below top_p: the smallest set reaching top_p. The top
+    # token stays whatever top_p is (one below float32's range arrives as 0).
+    keep = ((p.cumsum(dim=-1) - p) < p_max) | (ranks == 0)
     p = sorted_x.masked_fill(~keep, float("-inf")).softmax(dim=-1)
     return torch.zeros_like(p).scatter(-1, order, p)
 

@@ -105,6 +105,17 @@ def test_temperature_zero_is_argmax_and_padding_rows_are_independent():
     assert alone[0] == out[1]
 
 
+def test_a_top_p_below_float32s_range_samples_the_top_token(tiny):
+    """top_p 1e-50 is valid and rounds to 0 in the float32 sampling tensors: it keeps the top token alone, so
+    sampling gives greedy's tokens (not an empty distribution's)."""
+    gen = llm(tiny[torch.float32], prefill_chunk=16)
+    prompt = list(range(10, 30))
+    greedy = gen.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    tiny_p = gen.generate(prompt, SamplingParams(max_tokens=20, temperature=1.0, top_p=1e-50, seed=3,
+                                                 ignore_eos=True))[0]
+    assert tiny_p.token_ids == greedy.token_ids
+
+
 def test_seeded_sampling_reproduces(tiny):
     gen = llm(tiny[torch.float32], prefill_chunk=16)
     prompt = list(range(10, 30))

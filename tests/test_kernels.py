@@ -254,6 +254,20 @@ def test_filtered_probs_breaks_ties_by_token_id():
     assert np.flatnonzero(got[1]).tolist() == [5, 9]  # each of the three holds 0.24 of the mass
 
 
+def test_filtered_probs_keeps_the_top_token_at_any_top_p():
+    """A top_p below float32's range arrives as 0 or a subnormal: the top token alone stays (not an empty set),
+    as in graphs/sampling.py's sort."""
+    from specair.graphs.sampling import logits_to_probs
+
+    x = np.random.default_rng(5).standard_normal((3, 300)).astype(np.float32)
+    k, p = np.array([0, 7, 0], np.int64), np.array([0.0, 0.0, 1e-45], np.float32)
+    got = filter_session([3, 300]).run(None, {"x": x, "k": k, "p": p})[0]
+    ref = logits_to_probs(torch.from_numpy(x), torch.ones(3), torch.from_numpy(k), torch.from_numpy(p)).numpy()
+    for b in range(3):
+        assert np.flatnonzero(got[b]).tolist() == [int(x[b].argmax())] and got[b].max() == 1.0, b
+        assert np.array_equal(ref[b], got[b]), b
+
+
 def test_greedy_speculation_on_the_int4_path_equals_plain_decoding_there(tmp_path_factory):
     """A model whose weights are Q4_1 blocks (as the default model's are), on onnx int4 with specair's kernels:
     every proposer's greedy tokens equal plain decoding's on the same path, not merely up to near-ties."""

@@ -73,7 +73,7 @@ void filtered_probs_row(const float* x, int64_t V, int64_t top_k, float top_p, f
     const double target = static_cast<double>(top_p) * z;
     double ahead = 0;  // the mass ranked before token j
     int64_t j = 0;
-    while (j < n && ahead < target) ahead += e[c[j++]];
+    while (j < n && (j == 0 || ahead < target)) ahead += e[c[j++]];  // the top token stays, even at top_p 0
     if (ahead >= target || whole) {
       kept = j;
       break;
