@@ -341,12 +341,14 @@ def _rank_engine(model: str | None, dtype: str, spec: SpeculativeConfig | None, 
     if tp.rank == 0:
         _log_spec(plan, be.name)
     if not compiled:
-        return make_engine(models.target, models.tokenizer, models.draft, lambda cat: GraphSet(cat, be, None, True),
-                           plan, max_waiting, name)
-    art, manifest = cached_artifacts(models, plan, be, progress=tp.rank == 0)
-    engine = _artifact_engine(models, plan, be, art, manifest, f"remove {art} (specair rebuilds it)", max_waiting,
-                              name)
-    engine.graphs.load_pending()
+        engine = make_engine(models.target, models.tokenizer, models.draft,
+                             lambda cat: GraphSet(cat, be, None, True), plan, max_waiting, name)
+    else:
+        art, manifest = cached_artifacts(models, plan, be, progress=tp.rank == 0)
+        engine = _artifact_engine(models, plan, be, art, manifest, f"remove {art} (specair rebuilds it)",
+                                  max_waiting, name)
+        engine.graphs.load_pending()
+    engine.prefix_cache = None  # every rank would have to make the same hits
     return engine
 
 

@@ -30,6 +30,7 @@ from specair.runtime.batch_state import BatchState
 from specair.runtime.kv_slots import KVSlots
 from specair.runtime.output import Output, eos_ids
 from specair.runtime.params import SamplingParams, StreamEvent
+from specair.runtime.prefix_cache import PrefixCache
 from specair.runtime.proposers import Proposer, Step
 from specair.runtime.scheduler import QueueFullError, Scheduler, Seq  # noqa: F401 (QueueFullError: public)
 from specair.runtime.tensor_parallel import Group
@@ -86,6 +87,11 @@ class Engine:
         arms = (*range(len(self.plan.trees)), None)
         self.adaptive = AdaptiveSpeculation(arms) if spec is not None and spec.adaptive else None
         self.group: Group | None = None  # the tensor-parallel group this engine drives (runtime/tensor_parallel)
+        # Prompt KV kept across requests, where loading it gives the bits prefilling would: row-independent
+        # graphs, and no proposer cache that the prompt's own pass fills. The block is the smallest prefill
+        # chunk, so the tokens past a hit prefill in one small chunk. None: off (`LLM(enable_prefix_caching=False)`).
+        exact = graphs.backend.row_independent and self.plan.dtype == "fp32" and not (proposer and proposer.has_cache)
+        self.prefix_cache = PrefixCache(self.plan.chunk_buckets[0]) if exact else None
         self._trace: list[dict[str, Any]] | None = None
 
     @property
@@ -277,8 +283,13 @@ class Engine:
 
     def _prefill_chunk(self, s: Seq) -> list[StreamEvent]:
         """One chunk of the prefilling request into the scratch cache (its proposer's cache alongside)."""
-        if s.prefilled == 0 and self.proposer is not None:
-            self.proposer.start(s)
+        caching = self.prefix_cache is not None and self.hidden_observer is None
+        if s.prefilled == 0:
+            if self.proposer is not None:
+                self.proposer.start(s)
+            if caching:
+                self.kv.fit_scratch(len(s.prompt))
+                s.prefilled = s.cached = self.prefix_cache.load(s.prompt, self.kv)
         start = s.prefilled
         self.kv.fit_scratch(start)
         chunk = self.plan.chunk_for(len(s.prompt) - start)
@@ -301,6 +312,8 @@ class Engine:
         if s.prefilled < len(s.prompt):
             return []
         self.sched.end_prefill()
+        if caching:
+            self.prefix_cache.store(s.prompt, self.kv)
         r = s.sampling
         first = int(sample(out["logits"], r.temperature.to(self.device), r.top_k.to(self.device),
                            r.top_p.to(self.device), r.uniforms(len(s.prompt)).to(self.device), r.variant).item())

@@ -163,6 +163,16 @@ class KVSlots:
                 memory.release(c, row, length)
         self._release_scratch()
 
+    def read_scratch(self, start: int, end: int) -> dict[str, Caches]:
+        """A copy of the prefill scratch's slots [start, end) by role: (k, v) [L, Hkv, end - start, D]."""
+        return {role: tuple(c[:, 0, :, start:end].clone() for c in caches) for role, caches in self.scratch.items()}
+
+    def write_scratch(self, start: int, blocks: dict[str, Caches]) -> None:
+        """Write slots from `start` of the prefill scratch (what `read_scratch` returned)."""
+        for role, pair in blocks.items():
+            for c, b in zip(self.scratch[role], pair):
+                c[:, 0, :, start:start + b.shape[2]] = b
+
     def move(self, src: int, dst: int, used: int) -> None:
         """Copy row src's first `used` slots into row dst (whose slots past them give their memory back)."""
         for role in self.models:

@@ -28,7 +28,8 @@ class LLM:
                  max_context: int | None = None, batch_buckets: tuple[int, ...] = (1, 2, 4, 8),
                  threads: int | None = None, max_waiting: int = 64, quantize: str | None = None,
                  device: str | None = None, features: tuple[int, ...] | None = None,
-                 tensor_parallel_size: int = 1, kv_cache_memory_bytes: int | None = None) -> None:
+                 tensor_parallel_size: int = 1, kv_cache_memory_bytes: int | None = None,
+                 enable_prefix_caching: bool = True) -> None:
         self.engine: Engine = open_engine(model, dtype, speculative_config, None if artifacts else backend,
                                           artifacts, max_context, threads, tuple(batch_buckets), max_waiting,
                                           quantize=quantize, device=device, features=features,
@@ -38,6 +39,8 @@ class LLM:
         except InputError:
             self.engine.close()
             raise
+        if not enable_prefix_caching:
+            self.engine.prefix_cache = None
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:

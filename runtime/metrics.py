@@ -101,6 +101,11 @@ class ServerMetrics:
                                        "Requests failed by an engine error (answered with HTTP 500).").labels(
                                            model_name)
 
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens of requests that got past their "
+                                            "prefill.").labels(model_name)
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Of those, the tokens whose KV came from the prefix "
+                                         "cache.").labels(model_name)
+
         # Speculative decoding (vLLM's SpecDecodingProm).
         self.spec_num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.").labels(
             model_name)
@@ -188,6 +193,9 @@ class ServerMetrics:
             child.inc()
             if clock is None and res.num_generated_tokens:  # an untracked request that got past its prefill
                 self.prompt_tokens.inc(res.num_prompt_tokens)
+            if res.num_generated_tokens:
+                self.prefix_cache_queries.inc(res.num_prompt_tokens)
+                self.prefix_cache_hits.inc(res.num_cached_tokens)
             self.request_prompt_tokens.observe(res.num_prompt_tokens)
             self.request_generation_tokens.observe(res.num_generated_tokens)
             if clock is not None:

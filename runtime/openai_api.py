@@ -239,9 +239,10 @@ def spec_decode_stats(result: GenerationResult) -> dict[str, Any] | None:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
 
 
-def usage(result: GenerationResult) -> dict[str, int]:
+def usage(result: GenerationResult) -> dict[str, Any]:
     return {"prompt_tokens": result.num_prompt_tokens, "completion_tokens": result.num_generated_tokens,
-            "total_tokens": result.num_prompt_tokens + result.num_generated_tokens}
+            "total_tokens": result.num_prompt_tokens + result.num_generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.num_cached_tokens}}
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:

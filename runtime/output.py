@@ -55,7 +55,8 @@ class Output:
             text=s.text.text, token_ids=list(s.out), num_prompt_tokens=len(s.prompt), num_generated_tokens=n,
             finish_reason=reason, ttft_s=t_first - s.t0,
             decode_tokens_per_s=(n - 1) / (t_end - t_first) if n > 1 and t_end > t_first else 0.0,
-            prefill_tokens_per_s=len(s.prompt) / (t_first - s.t0) if t_first > s.t0 else 0.0, extra=extra)
+            prefill_tokens_per_s=len(s.prompt) / (t_first - s.t0) if t_first > s.t0 else 0.0,
+            num_cached_tokens=s.cached, extra=extra)
         return StreamEvent(tail, [], result, s.request_id)
 
     def fail(self, s: Seq, error: BaseException) -> StreamEvent:

@@ -63,6 +63,7 @@ class GenerationResult:
     ttft_s: float
     decode_tokens_per_s: float
     prefill_tokens_per_s: float
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (vLLM's name)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:

@@ -36,6 +36,7 @@ class Seq:
     tokens: list[int] = field(default_factory=list)  # prompt + generated; the last token is not in the cache yet
     out: list[int] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens in the scratch cache
+    cached: int = 0  # of which the prefix cache gave
     t_first: float = 0.0
     draft: Any = None  # the proposer's own per-sequence state
     stats: dict[str, Any] = field(default_factory=dict)

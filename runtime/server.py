@@ -389,6 +389,10 @@ def add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=_size, metavar="SIZE",
                    help="KV cache budget, e.g. 2G: a request starts only while the caches fit it with every running "
                         "request at its longest (prompt + max_tokens); default: no budget")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep prompts' KV across requests, so a prompt that starts as an earlier one prefills only "
+                        "past what they share (on where that is exact: row-independent graphs, the default path; "
+                        "default on)")
     p.add_argument("--max-waiting", type=int, default=64, metavar="N",
                    help="requests queued beyond the running ones before answering 429 (default 64)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -418,7 +422,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = LLM(args.model, args.speculative_config, backend=args.backend, artifacts=args.artifacts,
               dtype=args.dtype, max_context=args.max_context, batch_buckets=buckets, threads=args.threads,
               max_waiting=args.max_waiting, quantize=args.quantize, device=args.device,
-              tensor_parallel_size=args.tensor_parallel_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+              tensor_parallel_size=args.tensor_parallel_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+              enable_prefix_caching=args.enable_prefix_caching)
     llm.engine.graphs.load_pending()  # every compiled graph now, so no session load lands inside a request
     app = build_app(llm.engine, served_model_name=args.served_model_name, batch_buckets=buckets,
                     model_root=args.model)

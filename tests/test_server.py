@@ -193,7 +193,8 @@ def test_models_health_and_metric_names(url: str) -> None:
     m = scrape(url)
     names = {name for name, _ in m}
     for counter in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-                    "prompt_tokens", "generation_tokens", "request_success", "batch_bucket_steps"):
+                    "prompt_tokens", "generation_tokens", "request_success", "batch_bucket_steps",
+                    "prefix_cache_queries", "prefix_cache_hits"):
         assert f"specair:{counter}_total" in names, counter
     for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         assert f"specair:{hist}_count" in names, hist
@@ -223,6 +224,7 @@ def test_streamed_equals_non_streamed(url: str) -> None:
     assert choice["finish_reason"] == "length" and choice["text"]
     assert whole["usage"]["completion_tokens"] == 24
     assert whole["usage"]["total_tokens"] == whole["usage"]["prompt_tokens"] + 24
+    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # eager graphs keep no prefix cache
     spec = whole["spec_decode"]
     assert spec["num_draft_tokens"] == 3 * spec["num_drafts"] > 0
     assert sum(spec["accepted_per_position"]) == spec["num_accepted_tokens"]
