@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
-    llm = LLM(max_context=2048, threads=args.threads)
+    llm = LLM(max_context=2048, threads=args.threads, enable_prefix_caching=False)  # each variant prefills whole
     convs = [[{"role": "user", "content": f"Tell me about topic number {i}."}] for i in range(args.rows)]
     n = args.max_tokens
     for name, params in [("greedy", SamplingParams(max_tokens=n, ignore_eos=True)),
