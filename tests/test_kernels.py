@@ -83,6 +83,36 @@ def test_q4_1_rows_are_independent_on_every_path(isa):
     assert ran == kernels.isa() if isa == "native" else ran in (isa, "portable", "avxvnni")
 
 
+def q4_1_extremes() -> str:
+    """A digest of 8-row products at the integer sums' limits: every code 15 against activations that quantize
+    to +127 or -127 (each block's largest sums), and random codes and activations beside them."""
+    import hashlib
+
+    N, K = 48, 256
+    qs, d, m = q4_1_weights(N, K, seed=5)
+    qs[:N // 2] = 15
+    x = np.ones((8, K), np.float32)
+    x[1] = -1
+    # Multiples of 1/64: a block's sum is exact in any order, so the paths' quantizers (the AVX-512 one sums a
+    # block as a tree) agree too.
+    x[2:] = np.random.default_rng(6).integers(-127, 128, (6, K)) / 64
+    out = q4_1_session(qs, d, m, 8).run(None, {"x": x})[0]
+    return hashlib.sha256(out.tobytes()).hexdigest()
+
+
+def test_q4_1_paths_agree_bitwise_at_the_integer_limits():
+    """The integer block dot products are exact on every path (AVX2's int16 sums neither saturate nor wrap), and
+    the float steps after them are the same, so every path gives the same bits."""
+    digests = set()
+    for isa in ("native", "avx2", "portable"):
+        env = {**os.environ, **({} if isa == "native" else {"SPECAIR_Q4_ISA": isa})}
+        r = subprocess.run([sys.executable, "-c", "import test_kernels as t; print(t.q4_1_extremes())"], env=env,
+                           cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        digests.add(r.stdout.split()[-1])
+    assert len(digests) == 1
+
+
 def test_q4_1_product_is_the_q4_1_weights_product():
     N, K = 96, 320
     qs, d, m = q4_1_weights(N, K, seed=3)

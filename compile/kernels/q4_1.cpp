@@ -152,13 +152,27 @@ void tiles_avx512(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_
   }
 }
 
+// One block's exact integer dot products for 8 columns: codes lo/hi (u8 <= 15) against a row's 32 int8
+// activations (|x| <= 127). Without VNNI, maddubs' pair sums (|.| <= 3810) add up in int16 over the whole
+// block (|.| <= 30480, so nothing saturates or wraps) and widen to int32 once.
 template <bool kVnni>
 __attribute__((target("avx2,fma,avxvnni")))
-inline __m256i dot4(__m256i acc, __m256i u8, __m256i s8) {
+inline __m256i block_dot(const __m256i* lo, const __m256i* hi, const int32_t* xq) {
   if constexpr (kVnni) {
-    return _mm256_dpbusd_avx_epi32(acc, u8, s8);
-  } else {  // u8 <= 15, so the pairwise int16 sums cannot saturate
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int g = 0; g < 4; ++g) {
+      s0 = _mm256_dpbusd_avx_epi32(s0, lo[g], _mm256_set1_epi32(xq[g]));
+      s1 = _mm256_dpbusd_avx_epi32(s1, hi[g], _mm256_set1_epi32(xq[4 + g]));
+    }
+    return _mm256_add_epi32(s0, s1);
+  } else {
+    __m256i p0 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(xq[0]));
+    __m256i p1 = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(xq[4]));
+    for (int g = 1; g < 4; ++g) {
+      p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(lo[g], _mm256_set1_epi32(xq[g])));
+      p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(hi[g], _mm256_set1_epi32(xq[4 + g])));
+    }
+    return _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
   }
 }
 
@@ -191,13 +205,9 @@ void tiles_avx2(const Q8Rows& x, int64_t M, int64_t K, int64_t N, const uint8_t*
           for (int r = 0; r < kRows; ++r) {
             if (r >= rows) break;
             const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + (r0 + r) * K + b * kBlock);
-            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-            for (int g = 0; g < 4; ++g) {
-              s0 = dot4<kVnni>(s0, lo[g], _mm256_set1_epi32(xq[g]));
-              s1 = dot4<kVnni>(s1, hi[g], _mm256_set1_epi32(xq[4 + g]));
-            }
+            const __m256i dot = block_dot<kVnni>(lo, hi, xq);
             const int64_t rb = (r0 + r) * nb + b;
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                      _mm256_mul_ps(d, _mm256_set1_ps(x.scale[rb])), acc[r]);
             acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[rb]), acc[r]);
           }
