@@ -612,6 +612,23 @@ def test_serve_defaults_to_the_compiled_path(tiny_dir: Path, tmp_path: Path, mon
     assert art.name.startswith("onnx-")
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens(tiny_dir: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the exact int4 path the server keeps prompts' KV: a repeated prompt gets the same text, and its usage
+    and the prefix-cache counters report the prompt tokens that came from the cache (whole 16-token blocks)."""
+    monkeypatch.setenv("SPECAIR_CACHE", str(tmp_path / "cache"))
+    args = ["--model", str(tiny_dir), "--quantize", "int4", "--speculative-config", "none", "--batch-buckets", "1",
+            "--max-context", "128", "--threads", "1", "--log-level", "warning"]
+    body = {"prompt": list(range(5, 45)), "max_tokens": 8, **GREEDY}
+    with serving(args, tmp_path / "server.log") as base:
+        first, again = complete(base, **body), complete(base, **body)
+        m = scrape(base)
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert metric(m, "specair:prefix_cache_queries_total") == 80 and metric(m, "specair:prefix_cache_hits_total") == 32
+
+
 def test_soak_against_a_real_server(tiny_dir: Path, tmp_path: Path) -> None:
     """`specair soak` on a real `specair serve` (eager, two clients, a few seconds): every chat answered under load
     matches its solo run, malformed bodies get 4xx, the tokens counted are the chats' own usage, and the report
