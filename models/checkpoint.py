@@ -132,6 +132,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.attention_bias:
             shapes |= {pre + "self_attn.q_proj.bias": (q,), pre + "self_attn.k_proj.bias": (kv,),
                        pre + "self_attn.v_proj.bias": (kv,)}
+        if cfg.output_bias:
+            shapes[pre + "self_attn.o_proj.bias"] = (h,)
+        if cfg.qk_norm:
+            shapes |= {pre + "self_attn.q_norm.weight": (cfg.head_dim,), pre + "self_attn.k_norm.weight": (cfg.head_dim,)}
     return shapes
 
 
@@ -144,12 +148,11 @@ def random_checkpoint(cfg: ModelConfig, seed: int = 0, scale: float = 0.2) -> di
 
 
 def _optional_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {}
     for n in range(cfg.num_layers):
         pre = f"model.layers.{n}.self_attn."
-        shapes |= {pre + "q_proj.bias": (q,), pre + "k_proj.bias": (kv,), pre + "v_proj.bias": (kv,),
-                   pre + "o_proj.bias": (h,)}
+        shapes |= {pre + "q_proj.bias": (q,), pre + "k_proj.bias": (kv,), pre + "v_proj.bias": (kv,)}
     return shapes
 
 

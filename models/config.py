@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +13,14 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and constants of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+    """Shapes and constants of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2)."""
 
     vocab_size: int
     hidden_size: int
@@ -33,7 +34,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v projections
+    output_bias: bool = False  # o_proj (Llama and Qwen3 with attention_bias; never Qwen2 or Mistral)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
     sliding_window: int | None = None
     model_type: str = "llama"
     bos_token_id: int | None = None
@@ -63,8 +66,8 @@ class ModelConfig:
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             window = cfg.get("sliding_window")
-            if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
-                window = None
+            if model_type in ("qwen2", "qwen3"):
+                window = _qwen_window(cfg, window)
             if cfg.get("mlp_bias"):
                 raise ModelFormatError("mlp_bias=true is not supported")
             return cls(
@@ -81,6 +84,8 @@ class ModelConfig:
                 rope_scaling=None if rope_type == "default" else rope,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                output_bias=model_type in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
+                qk_norm=model_type == "qwen3",
                 sliding_window=int(window) if window else None,
                 model_type=model_type,
                 bos_token_id=cfg.get("bos_token_id"),
@@ -112,7 +117,7 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_parameters": rope,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
+            "attention_bias": self.attention_bias or self.output_bias,
             "sliding_window": self.sliding_window,
             "use_sliding_window": self.sliding_window is not None,
             "bos_token_id": self.bos_token_id,
@@ -120,8 +125,22 @@ class ModelConfig:
             "hidden_act": "silu",
         }
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+
+
+def _qwen_window(cfg: dict[str, Any], window: Any) -> Any:
+    """Qwen2/Qwen3's sliding window: none unless use_sliding_window, and then on layers from max_window_layers
+    on only (transformers' layer_types), which specair runs only where that is every layer."""
+    if not cfg.get("use_sliding_window", False) or window is None:
+        return None
+    layers = int(cfg.get("num_hidden_layers", 0))
+    types = cfg.get("layer_types") or ["sliding_attention" if i >= int(cfg.get("max_window_layers", 0))
+                                       else "full_attention" for i in range(layers)]
+    if set(types) == {"full_attention"}:
+        return None
+    if set(types) != {"sliding_attention"}:
+        raise ModelFormatError("a sliding window on some layers only (max_window_layers / layer_types) is not "
+                               "supported; specair applies one window to every layer or none")
+    return window
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

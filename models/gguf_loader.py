@@ -20,7 +20,8 @@ from specair.models.tokenizer import Tokenizer
 
 # GGUF `general.architecture` -> HF architecture. llama.cpp permutes q/k rows of llama-family models for its
 # interleaved RoPE; qwen2 files keep HF's order.
-_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+          "qwen3": "Qwen3ForCausalLM"}
 _PERMUTED = {"llama", "mistral"}
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -30,6 +31,8 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -159,14 +162,14 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
         "rms_norm_eps": _f32(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_parameters": rope,
         "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors or "blk.0.attn_output.bias" in tensors,
         "bos_token_id": meta("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
     }
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = True) -> Checkpoint:
-    """Load a llama/mistral/qwen2 GGUF file: dequantize every tensor to `dtype`, undo llama.cpp's q/k permutation."""
+    """Load a llama/mistral/qwen2/qwen3 GGUF file: dequantize every tensor to `dtype`, undo llama.cpp's q/k permutation."""
     from tqdm import tqdm
 
     path = Path(path)

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) with a static-shape, graph-friendly forward.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) with a static-shape, graph-friendly forward.
 
 The forward never writes the KV cache: it reads the committed prefix (a view of the cache sliced to a
 context bucket), attends over it plus the T new tokens, and returns the new tokens' K/V. The caller
@@ -234,7 +234,9 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.wqkv = nn.Linear(c.hidden_size, q_dim + 2 * kv_dim, bias=c.attention_bias)
-        self.wo = nn.Linear(q_dim, c.hidden_size, bias=False)
+        self.wo = nn.Linear(q_dim, c.hidden_size, bias=c.output_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_past: Tensor, v_past: Tensor,
                 mask: Tensor, k_prev: Tensor | None, v_prev: Tensor | None,
@@ -242,6 +244,9 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         q, k, v = self.wqkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.view(B, T, H, D)).view(B, T, H * D)
+            k = self.k_norm(k.view(B, T, Hkv, D)).view(B, T, Hkv * D)
         kernel, scale = _ATTENTION.fn, 1.0 / math.sqrt(D)
         args = (q, k, v, cos, sin, k_past, v_past, mask, k_prev, v_prev, scale, (H, Hkv))
         if kernel is None or inputs is None:  # without AttentionInputs (training), no kernel can replace it
@@ -415,6 +420,12 @@ def build_model(config: ModelConfig, state_dict: dict[str, Tensor], dtype: torch
         if config.attention_bias:
             ours[o + "attention.wqkv.bias"] = torch.cat([get(att + f"{n}_proj.bias") for n in "qkv"])
         ours[o + "attention.wo.weight"] = get(att + "o_proj.weight")
+        if config.output_bias:  # added once: every rank's row-parallel part is summed
+            bias = get(att + "o_proj.bias")
+            ours[o + "attention.wo.bias"] = bias if tp is None or tp.rank == 0 else torch.zeros_like(bias)
+        if config.qk_norm:
+            ours[o + "attention.q_norm.weight"] = get(att + "q_norm.weight")
+            ours[o + "attention.k_norm.weight"] = get(att + "k_norm.weight")
         ours[o + "feed_forward.w13.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         ours[o + "feed_forward.w2.weight"] = get(p + "mlp.down_proj.weight")
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}

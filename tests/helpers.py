@@ -17,7 +17,14 @@ VARIANTS = {
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
                      "rope_theta": 500000.0}),
     "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"tie_word_embeddings": True}),
+    # Llama 3.2 1B/3B: llama3 rope scaling and a tied head; o_proj bias as attention_bias asks
+    "llama3-tied-bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                         {"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                          "rope_theta": 500000.0, "tie_word_embeddings": True, "attention_bias": True}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+    # head_dim 32 with 4 heads over hidden 64: q projects to 128, not to the hidden size
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"tie_word_embeddings": True, "head_dim": 32}),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 24}),
 }
 

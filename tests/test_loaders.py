@@ -21,11 +21,11 @@ from specair.models.gguf_loader import convert_gguf_to_hf_dir, load_gguf
 
 # ---- tiny models, written in each format ----
 
-def tiny_config(model_type: str = "llama", tie: bool = False, bias: bool = False) -> ModelConfig:
+def tiny_config(model_type: str = "llama", tie: bool = False, bias: bool = False, head_dim: int = 16) -> ModelConfig:
     return ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-                       head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       head_dim=head_dim, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
                        tie_word_embeddings=tie, attention_bias=bias, model_type=model_type, bos_token_id=1,
-                       eos_token_ids=(2,))
+                       eos_token_ids=(2,), qk_norm=model_type == "qwen3")
 
 
 def random_state(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -39,7 +39,8 @@ def to_interleaved(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 GGUF_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+              "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
@@ -74,6 +75,8 @@ def write_gguf(path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype: Q = Q
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(cfg.head_dim)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_ids[0])
@@ -183,6 +186,32 @@ def test_gguf_qwen2_is_not_permuted_and_keeps_biases(tmp_path):
     assert "model.layers.1.self_attn.k_proj.bias" in ckpt.state_dict
     for name, t in sd.items():
         assert torch.equal(ckpt.state_dict[name], t.to(torch.bfloat16)), name
+
+
+def test_gguf_qwen3_matches_transformers(tmp_path):
+    """Qwen3: q/k norms per head, head_dim 32 over hidden 64 with 4 heads (key_length in the metadata), q/k rows
+    in HF order as llama.cpp writes qwen3 files; the source tensors back, and transformers' logits. (transformers'
+    own GGUF reader ignores qwen3.attention.key_length and builds head_dim 128, so its Qwen3 is built from the
+    source weights here.)"""
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny_config("qwen3", tie=True, head_dim=32)
+    sd = random_state(cfg, seed=3)
+    write_gguf(tmp_path / "q3.gguf", cfg, sd)
+    ckpt = load_gguf(tmp_path / "q3.gguf", progress=False)
+    assert ckpt.config == cfg
+    for name, t in sd.items():
+        assert torch.equal(ckpt.state_dict[name], t), name
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg.to_hf())).eval()
+    hf.load_state_dict(sd, strict=False)
+    hf.tie_weights()
+    from specair.models.llama import build_model
+
+    model = build_model(ckpt.config, ckpt.state_dict)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        ours = model(ids, torch.arange(12)[None], torch.zeros(1, dtype=torch.long), *model.empty_cache(1, 16)).logits
+    assert (ours - ref).abs().max().item() <= 1e-4
 
 
 def test_gguf_llama3_rope_freqs(tmp_path):
