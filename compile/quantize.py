@@ -64,9 +64,13 @@ import torch
 from torch import Tensor
 
 from specair.compile import kernels
+from specair.compile.kernels import formats
+from specair.compile.kernels.formats import PackedWeight
 from specair.models.errors import InputError, SpecairError
+from specair.models.checkpoint import GGUF_PARTS
 
 QUANTIZE_CHOICES = ("none", "int4", "int8")
+log = logging.getLogger("specair")
 _PLACEHOLDER_X, _PLACEHOLDER_W, _PLACEHOLDER_Y = "x", "W", "y"
 _CHUNK_BYTES = 1 << 30  # a bigger weight is quantized in chunks of output rows (protobuf caps a tensor at 2 GB)
 
@@ -191,21 +195,74 @@ def round_to_q4_1(w: Tensor, block: int = 32) -> tuple[np.ndarray, np.ndarray, n
     return _as_arrays(*_q4_1_rounding(w, block)[1:])
 
 
+def _blocks_template(parts: list[PackedWeight]) -> _Template:
+    """y = x W^T on specair's block kernel (`specair.ort::MatMulBlocks`, compile/kernels), W read exactly in each
+    part's format; a weight whose rows come in parts of different formats (a fused q/k/v or gate/up of a mixed
+    GGUF, such as Q4_K_M) is one operator per part, concatenated along the output."""
+    from onnx import helper
+
+    X, W, Y = _PLACEHOLDER_X, _PLACEHOLDER_W, _PLACEHOLDER_Y
+    nodes, arrays = [], {}
+    for i, p in enumerate(parts):
+        suffix = f"_{p.format.lower()}" + (f"_{i}" if len(parts) > 1 else "")
+        inputs = [X, W + suffix]
+        arrays[suffix] = p.records
+        if p.super is not None:
+            inputs.append(W + suffix + "_super")
+            arrays[suffix + "_super"] = p.super
+        nodes.append(helper.make_node(kernels.OP, inputs, [Y if len(parts) == 1 else f"part{i}"], name=f"blocks{i}",
+                                      domain=kernels.DOMAIN, K=p.K, N=p.N, format=p.format))
+    if len(parts) > 1:
+        nodes.append(helper.make_node("Concat", [f"part{i}" for i in range(len(parts))], [Y], name="concat", axis=-1))
+    return _Template(nodes, arrays, {kernels.DOMAIN: 1})
+
+
+def _packed_parts(w: Tensor) -> list[PackedWeight] | None:
+    """A module weight's rows as the checkpoint stores them (`gguf_parts`, set by the loader for GGUF files),
+    packed for the kernel with consecutive parts of one format together; None for a weight without them."""
+    parts = getattr(w, GGUF_PARTS, None)
+    if not parts:
+        return None
+    groups: list[list[Any]] = []
+    for part in parts:
+        if groups and groups[-1][0].type == part.type:
+            groups[-1].append(part)
+        else:
+            groups.append([part])
+    return [_pack_stored(g[0].type, np.concatenate([p.raw for p in g]), g[0].shape[1]) for g in groups]
+
+
+_NOTED: set[str] = set()
+
+
+def _pack_stored(kind: str, raw: np.ndarray, K: int) -> PackedWeight:
+    """Stored rows in the kernel's layout: as stored for its formats; other types (BF16, the IQ and Q2_K/Q3_K
+    types, ...) dequantized exactly by gguf and run as float32, the nearest exact path, with a notice once."""
+    if kind in formats.FORMATS:
+        return formats.pack_gguf(kind, raw, K)
+    import gguf
+
+    if kind not in _NOTED and kind not in ("BF16", "F64"):
+        _NOTED.add(kind)
+        log.warning("specair: GGUF type %s is not read natively by specair's kernels: those weights run dequantized "
+                    "to float32 (exact, %.1fx the bytes)", kind,
+                    32 / (8 * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
+                          / gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]))
+    w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(raw.shape[0], K)
+    return formats.pack_float(np.asarray(w, dtype=np.float32))
+
+
 def _q4_1_template(q: Quantization, blocks: tuple[np.ndarray, np.ndarray, np.ndarray]) -> _Template:
-    """y = x W^T for W = d*q + m per block, exactly: specair's own row-independent kernel
-    (`specair.ort::MatMulQ4_1`, compile/kernels) where it builds, else MatMulNBits over (d, q) with zero points
-    0 plus the blocks' minima times the per-block sums of x (two small float MatMuls that keep x's rank)."""
+    """y = x W^T for W = d*q + m per block, exactly: specair's block kernel where it builds, else MatMulNBits over
+    (d, q) with zero points 0 plus the blocks' minima times the per-block sums of x (two small float MatMuls that
+    keep x's rank)."""
     from onnx import helper
 
     qs, d, m = blocks
+    if q.kernel == kernels.OP:
+        return _blocks_template([formats.from_q4_1(qs, d, m)])
     N, K = qs.shape
     X, W, Y = _PLACEHOLDER_X, _PLACEHOLDER_W, _PLACEHOLDER_Y
-    if q.kernel == kernels.OP:
-        packed, scales, mins = kernels.pack_q4_1(qs, d, m)
-        node = helper.make_node(kernels.OP, [X, W + "_q4_1", W + "_q4_1_scales", W + "_q4_1_mins"], [Y],
-                                name="q4_1", domain=kernels.DOMAIN, K=K, N=N)
-        return _Template([node], {"_q4_1": packed, "_q4_1_scales": scales, "_q4_1_mins": mins},
-                         {kernels.DOMAIN: 1})
     nb = K // q.block_size
     packed = (qs[:, 0::2] | (qs[:, 1::2] << 4)).astype(np.uint8).reshape(N, nb, q.block_size // 2)
     zeros = np.zeros(N * ((nb + 1) // 2), dtype=np.uint8)
@@ -227,6 +284,10 @@ def _q4_1_template(q: Quantization, blocks: tuple[np.ndarray, np.ndarray, np.nda
 def _template(q: Quantization, w: Tensor) -> _Template:
     from onnx import numpy_helper
 
+    if q.kernel == kernels.OP:
+        parts = _packed_parts(w)
+        if parts is not None:
+            return _blocks_template(parts)
     if q.bits == 4 and not q.symmetric:
         blocks = q4_1_blocks(w, q.block_size)
         if blocks is None and q.kernel == kernels.OP and w.shape[1] % q.block_size == 0:

@@ -10,15 +10,28 @@ import hashlib
 import json
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specair.models.config import ModelConfig, read_json_object
 from specair.models.errors import ModelFormatError
-from specair.models.llama import shard_layout, shard_slice, shard_state_dict
+from specair.models.llama import GGUF_PARTS, shard_layout, shard_slice, shard_state_dict  # noqa: F401
 from specair.models.tokenizer import Tokenizer
+
+
+
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """A linear weight [N, K] as a GGUF file stores it: GGML type name (Q4_K, Q8_0, F16, ...) and its raw rows,
+    bytes [N, row bytes], each row K weights in the type's blocks (rows in HF order)."""
+
+    type: str
+    raw: np.ndarray
+    shape: tuple[int, int]
 
 
 @dataclass
@@ -31,6 +44,8 @@ class Checkpoint:
     source: str
     fingerprint: str
     shard: tuple[int, int] | None = None  # (rank, world) when `state_dict` holds one rank's parts (`shard_slice`)
+    # GGUF files with quantized weights: every linear weight (HF name) as the file stores it
+    stored: dict[str, StoredWeight] = field(default_factory=dict)
 
 
 def load_checkpoint(
@@ -45,8 +60,14 @@ def load_checkpoint(
         from specair.models.default_model import default_model_dir
 
         # The cache holds fp32/fp16/bf16 conversions; other dtypes (float64 for exactness tests) upcast fp32.
+        from specair.models.default_model import default_gguf_path
+        from specair.models.gguf_loader import load_stored
+
         cached = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-        return load_hf_dir(default_model_dir(cached, progress=progress), dtype, shard)
+        ckpt = load_hf_dir(default_model_dir(cached, progress=progress), dtype, shard)
+        if shard is None:  # the file's blocks, for kernels that read them as stored
+            ckpt.stored = load_stored(default_gguf_path(), ckpt.config)
+        return ckpt
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelFormatError(f"{p}: no such file or directory")
@@ -55,6 +76,7 @@ def load_checkpoint(
     ckpt = _load_file(p, dtype, progress)
     if shard is not None:
         ckpt.state_dict, ckpt.shard = shard_state_dict(ckpt.state_dict, ckpt.config, *shard), shard
+        ckpt.stored = {}
     return ckpt
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specair.models.checkpoint import Checkpoint, check_state_dict, file_sha256, interleaved_to_half
+from specair.models.checkpoint import Checkpoint, StoredWeight, check_state_dict, file_sha256, interleaved_to_half
 from specair.models.config import ModelConfig
 from specair.models.errors import ModelFormatError
 from specair.models.tokenizer import Tokenizer
@@ -23,6 +23,7 @@ from specair.models.tokenizer import Tokenizer
 _ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
           "qwen3": "Qwen3ForCausalLM"}
 _PERMUTED = {"llama", "mistral"}
+_FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
@@ -188,7 +189,125 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progr
         sd[name] = w.to(dtype)
     sd = check_state_dict(sd, cfg, str(path))
     tokenizer = Tokenizer.from_gguf(reader) if "tokenizer.ggml.model" in reader.fields else None
-    return Checkpoint(cfg, sd, tokenizer, str(path), file_sha256([path]))
+    return Checkpoint(cfg, sd, tokenizer, str(path), file_sha256([path]), stored=stored_weights(reader, cfg, set(sd)))
+
+
+def stored_weights(reader: Any, cfg: ModelConfig, names: set[str] | None = None) -> dict[str, StoredWeight]:
+    """Every 2-D weight of a GGUF file (HF name -> StoredWeight) as the file stores it, its rows in HF order (a
+    row is whole blocks, so rows permute as the weights' do), read from the file's mapping without a copy where
+    no rows move; empty for a file of float weights only (a float checkpoint like any other)."""
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
+    index = [(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), np.asarray(t.data)) for t in reader.tensors]
+    return _stored(index, arch, cfg, names)
+
+
+def _stored(index: list[tuple[str, str, tuple[int, ...], np.ndarray]], arch: str | None, cfg: ModelConfig,
+            names: set[str] | None) -> dict[str, StoredWeight]:
+    stored: dict[str, StoredWeight] = {}
+    for gname, kind, shape, data in index:
+        name = hf_name(gname)
+        if name is None or len(shape) != 2 or (names is not None and name not in names):
+            continue
+        N, K = shape[1], shape[0]  # GGML lists dimensions innermost first
+        raw = data.view(np.uint8).reshape(N, -1)
+        if arch in _PERMUTED and (".q_proj." in name or ".k_proj." in name):
+            heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+            raw = interleaved_to_half(torch.from_numpy(np.array(raw)), heads).numpy()
+        stored[name] = StoredWeight(kind, raw, (N, K))
+    if all(w.type in _FLOAT_TYPES for w in stored.values()):
+        return {}
+    return stored
+
+
+def load_stored(path: str | os.PathLike, cfg: ModelConfig) -> dict[str, StoredWeight]:
+    """`stored_weights` of the GGUF file at `path` (for a model loaded from its conversion), from the file's
+    tensor index alone: gguf's reader parses every metadata string, seconds for a vocabulary."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    arch, tensors, data_start = _tensor_index(Path(path))
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    index = []
+    for name, dims, kind, offset in tensors:
+        qtype = GGMLQuantizationType(kind)
+        block, size = GGML_QUANT_SIZES[qtype]
+        nbytes = math.prod(dims) // block * size
+        index.append((name, qtype.name, dims, mm[data_start + offset:data_start + offset + nbytes]))
+    return _stored(index, arch, cfg, None)
+
+
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
+_STRING, _ARRAY = 8, 9
+
+
+def _tensor_index(path: Path) -> tuple[str | None, list[tuple[str, tuple[int, ...], int, int]], int]:
+    """A GGUF file's architecture, tensors (name, dims innermost first, GGML type, offset in the data section)
+    and the data section's start, from its header; metadata values other than those two are skipped."""
+    import struct
+
+    with open(path, "rb") as f:
+        buf = f.read(1 << 16)
+        pos = 0
+
+        def need(n: int) -> None:
+            nonlocal buf
+            while pos + n > len(buf):
+                more = f.read(max(1 << 20, n))
+                if not more:
+                    raise ModelFormatError(f"{path}: truncated GGUF header")
+                buf += more
+
+        def take(fmt: str):
+            nonlocal pos
+            n = struct.calcsize("<" + fmt)
+            need(n)
+            out = struct.unpack_from("<" + fmt, buf, pos)
+            pos += n
+            return out
+
+        def string() -> bytes:
+            nonlocal pos
+            (n,) = take("Q")
+            need(n)
+            pos += n
+            return buf[pos - n:pos]
+
+        def skip(kind: int) -> None:
+            nonlocal pos
+            if kind == _STRING:
+                string()
+            elif kind == _ARRAY:
+                item, count = take("IQ")
+                if item in _SCALAR_SIZES:
+                    need(count * _SCALAR_SIZES[item])
+                    pos += count * _SCALAR_SIZES[item]
+                else:
+                    for _ in range(count):
+                        skip(item)
+            else:
+                need(_SCALAR_SIZES[kind])
+                pos += _SCALAR_SIZES[kind]
+
+        magic, _, n_tensors, n_kv = take("4sIQQ")
+        if magic != b"GGUF":
+            raise ModelFormatError(f"{path}: not a GGUF file")
+        arch, alignment = None, 32
+        for _ in range(n_kv):
+            key = string()
+            (kind,) = take("I")
+            if key == b"general.architecture" and kind == _STRING:
+                arch = string().decode()
+            elif key == b"general.alignment" and kind == 4:
+                (alignment,) = take("I")
+            else:
+                skip(kind)
+        tensors = []
+        for _ in range(n_tensors):
+            name = string().decode()
+            (n_dims,) = take("I")
+            dims = take(f"{n_dims}Q")
+            kind, offset = take("IQ")
+            tensors.append((name, tuple(int(d) for d in dims), int(kind), int(offset)))
+        return arch, tensors, -(-pos // alignment) * alignment
 
 
 def convert_gguf_to_hf_dir(

@@ -386,10 +386,12 @@ class Transformer(nn.Module):
 
 
 def build_model(config: ModelConfig, state_dict: dict[str, Tensor], dtype: torch.dtype = torch.float32,
-                tp: TensorParallel | None = None) -> Transformer:
+                tp: TensorParallel | None = None, stored: dict[str, Any] | None = None) -> Transformer:
     """A Transformer from an HF-named state dict (see `truncated` for a layer-skip draft). With `tp`, the
     state dict holds this rank's parts (`shard_slice`: what `load_checkpoint(..., shard=)` reads, or
-    `shard_state_dict` of a whole one) and the model is this rank's shard, its `config` this rank's heads."""
+    `shard_state_dict` of a whole one) and the model is this rank's shard, its `config` this rank's heads.
+    `stored` (a GGUF checkpoint's `Checkpoint.stored`): each linear weight, the LM head included, keeps its
+    rows as the file stores them in the attribute GGUF_PARTS, for kernels that read them exactly."""
     layout = None if tp is None else shard_layout(config, tp.rank, tp.world)
     mine = config if layout is None else layout.config
     rows = config.vocab_size if layout is None else layout.vocab[1] - layout.vocab[0]
@@ -435,6 +437,8 @@ def build_model(config: ModelConfig, state_dict: dict[str, Tensor], dtype: torch
     model.load_state_dict(ours, strict=True, assign=True)
     cos, sin = rope_tables(config, dtype)
     model.rope_cos, model.rope_sin = cos, sin
+    if stored and tp is None:
+        _attach_stored(model, stored)
     if tp is not None:
         for block in model.layers:
             block.attention.tp = block.feed_forward.tp = tp
@@ -443,6 +447,30 @@ def build_model(config: ModelConfig, state_dict: dict[str, Tensor], dtype: torch
                 holder.tp, holder.vocab_start, holder.vocab_size = tp, layout.vocab[0], config.vocab_size
     return model.eval().requires_grad_(False)
 
+
+
+# The attribute of a linear weight that holds its rows as the checkpoint stores them: a list of
+# models.checkpoint.StoredWeight, concatenated along the rows (a fused q/k/v or gate/up is several).
+GGUF_PARTS = "gguf_parts"
+
+
+def _attach_stored(model: Transformer, stored: dict[str, Any]) -> None:
+    """Give each linear weight (and a tied LM head's table) its stored parts, by HF name in row order."""
+    def attach(weight: Tensor, names: list[str]) -> None:
+        parts = [stored.get(n) for n in names]
+        if all(p is not None for p in parts):
+            setattr(weight, GGUF_PARTS, parts)
+
+    for i, block in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        attach(block.attention.wqkv.weight, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+        attach(block.attention.wo.weight, [p + "self_attn.o_proj.weight"])
+        attach(block.feed_forward.w13.weight, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        attach(block.feed_forward.w2.weight, [p + "mlp.down_proj.weight"])
+    if model.output is None:
+        attach(model.tok_embeddings.weight, ["model.embed_tokens.weight"])
+    else:
+        attach(model.output.weight, ["lm_head.weight" if "lm_head.weight" in stored else "model.embed_tokens.weight"])
 
 
 def with_features(model: Transformer, layers: tuple[int, ...], final: bool = False) -> Transformer:

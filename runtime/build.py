@@ -49,7 +49,7 @@ def load_model(path: str | None, dtype: str, tp: TensorParallel | None = None) -
     checkpoints without one) and its weights' fingerprint."""
     t0 = time.perf_counter()
     ckpt = load_checkpoint(path, dtype=DTYPES[dtype], shard=None if tp is None else (tp.rank, tp.world))
-    model = build_model(ckpt.config, ckpt.state_dict, DTYPES[dtype], tp)
+    model = build_model(ckpt.config, ckpt.state_dict, DTYPES[dtype], tp, stored=ckpt.stored)
     log(f"loaded {ckpt.source} ({ckpt.config.model_type}, {ckpt.config.num_layers} layers, {dtype}) "
         f"in {time.perf_counter() - t0:.1f}s")
     return model, ckpt.tokenizer, ckpt.fingerprint

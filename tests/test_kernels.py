@@ -1,12 +1,14 @@
-"""specair's own onnxruntime kernels (compile/kernels): MatMulQ4_1, CacheAttention and FilteredProbs are
+"""specair's own onnxruntime kernels (compile/kernels): MatMulBlocks, CacheAttention and FilteredProbs are
 row-independent (each output row is bitwise what that row computes alone, whatever the other rows hold), on
-every instruction-set path this CPU has; MatMulQ4_1 computes the Q4_1 weights' product; FilteredProbs is
+every instruction-set path this CPU has; MatMulBlocks reads every GGUF block format exactly as gguf dequantizes
+it and computes those weights' product; FilteredProbs is
 graphs/sampling.py's top-k/top-p distribution; and greedy speculation on the int4 path they serve equals plain
 decoding on that path, token for token."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from specair.compile import kernels
+from specair.compile.kernels import formats
 from specair.compile.backends.onnx import _shared_thread_pool
 
 ort = pytest.importorskip("onnxruntime")
@@ -38,44 +41,76 @@ def _session(nodes, inputs, outputs, inits=()):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def q4_1_session(qs, d, m, M):
-    N, K = qs.shape
-    packed, scales, mins = kernels.pack_q4_1(qs, d, m)
-    inits = [numpy_helper.from_array(a, n) for a, n in ((packed, "p"), (scales, "s"), (mins, "m"))]
-    node = helper.make_node(kernels.OP, ["x", "p", "s", "m"], ["y"], domain=kernels.DOMAIN, K=K, N=N)
-    return _session([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
-                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, N])], inits)
+# The fp16 fields of each GGUF block (byte offsets): everything else in a block is codes and integer scales,
+# any bytes of which are a valid block.
+HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
-def q4_1_weights(N, K, seed=0):
+def gguf_rows(name, N, K, seed=0):
+    """N rows of K weights of GGUF format `name` as a file stores them: random bytes, with finite fp16 scales."""
+    f = formats.FORMATS[name]
     rng = np.random.default_rng(seed)
-    return (rng.integers(0, 16, (N, K)).astype(np.uint8), (rng.random((N, K // 32)) * 0.02).astype(np.float16),
-            (-rng.random((N, K // 32)) * 0.1).astype(np.float16))
+    if name in formats.FLOAT_FORMATS:
+        return rng.standard_normal((N, K)).astype(np.float16 if name == "F16" else np.float32).view(np.uint8)
+    b = rng.integers(0, 256, (N, K // f.qk, f.nbytes), dtype=np.uint8)
+    for o in HALF_FIELDS[name]:
+        b[..., o:o + 2] = (rng.standard_normal((N, K // f.qk)) * 0.01).astype(np.float16)[..., None].view(np.uint8)
+    return b.reshape(N, -1)
 
 
-def check_q4_1_rows() -> str:
-    """Every row of M-row products equals its one-row product, bitwise, and is the Q4_1 weights' product up to
-    the activations' int8 rounding; returns the path that ran."""
-    for N, K in ((40, 64), (576, 576), (200, 1536)):  # N = 40 and 200: a partial last tile of columns
-        qs, d, m = q4_1_weights(N, K)
-        rng = np.random.default_rng(1)
-        x = rng.standard_normal((16, K)).astype(np.float32)
-        x[3] *= 1e4  # one row of large activations must not change the others' scales
-        alone = q4_1_session(qs, d, m, 1)
-        solo = np.concatenate([alone.run(None, {"x": x[r:r + 1]})[0] for r in range(16)])
-        w = (qs.reshape(N, K // 32, 32) * d[..., None].astype(np.float64) + m[..., None]).reshape(N, K)
-        ref = x.astype(np.float64) @ w.T  # within int8 activations' rounding of the exact product, on every path
-        assert (np.abs(solo - ref).max(1) / np.abs(ref).max(1)).max() < 0.02, (N, K)
-        for M in (2, 5, 9, 16):
-            out = q4_1_session(qs, d, m, M).run(None, {"x": x[:M]})[0]
-            assert np.array_equal(out, solo[:M]), (N, K, M)
+def blocks_session(w, M):
+    inits = [numpy_helper.from_array(w.records, "r")] + ([] if w.super is None else [numpy_helper.from_array(w.super, "s")])
+    node = helper.make_node(kernels.OP, ["x", "r"] + ([] if w.super is None else ["s"]), ["y"], domain=kernels.DOMAIN,
+                            K=w.K, N=w.N, format=w.format)
+    return _session([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, w.K])],
+                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, w.N])], inits)
+
+
+def quantized_activations(x):
+    """x as the kernel reads it: int8 per block of 32, scale amax/127, rounded to nearest even."""
+    b = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(b).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    return (np.clip(np.rint(b * inv), -127, 127) * (amax / np.float32(127))).reshape(x.shape).astype(np.float64)
+
+
+def reference(w, x):
+    """The product the kernel computes, in float64: the weights' scaled codes against the int8 activations, and
+    the formats' block minima against the activations' float block sums."""
+    full = kernels.dequantize(w).astype(np.float64)
+    mins = np.zeros_like(full)
+    if w.format in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):  # with every code 0, a block dequantizes to its minimum
+        zero = dataclasses.replace(w, records=w.records.copy())
+        zero.records[..., :formats.FORMATS[w.format].record - (64 if w.format in ("Q4_1", "Q5_1") else 32)] = 0
+        mins = kernels.dequantize(zero).astype(np.float64)
+    return quantized_activations(x) @ (full - mins).T + x.astype(np.float64) @ mins.T
+
+
+def check_rows() -> str:
+    """For every format: every row of M-row products equals its one-row product, bitwise, and is the product of
+    the file's weights and the int8 activations; returns the path that ran."""
+    for name in formats.FORMATS:
+        for N, K in ((40, 256), (200, 1536)):  # N = 40 and 200: a partial last tile of columns
+            w = formats.pack_gguf(name, gguf_rows(name, N, K), K)
+            rng = np.random.default_rng(1)
+            x = rng.standard_normal((16, K)).astype(np.float32)
+            x[3] *= 1e4  # one row of large activations must not change the others' scales
+            alone = blocks_session(w, 1)
+            solo = np.concatenate([alone.run(None, {"x": x[r:r + 1]})[0] for r in range(16)])
+            ref = x.astype(np.float64) @ kernels.dequantize(w).T.astype(np.float64) if name in formats.FLOAT_FORMATS \
+                else reference(w, x)
+            assert (np.abs(solo - ref).max(1) / np.abs(ref).max(1)).max() < 1e-5, (name, N, K)
+            for M in (2, 5, 16):
+                out = blocks_session(w, M).run(None, {"x": x[:M]})[0]
+                assert np.array_equal(out, solo[:M]), (name, N, K, M)
     return kernels.isa()
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
-def test_q4_1_rows_are_independent_on_every_path(isa):
-    env = {**os.environ, **({} if isa == "native" else {"SPECAIR_Q4_ISA": isa})}
-    code = "import test_kernels as t; print(t.check_q4_1_rows())"
+def test_block_rows_are_independent_on_every_path(isa):
+    env = {**os.environ, **({} if isa == "native" else {"SPECAIR_ISA": isa})}
+    code = "import test_kernels as t; print(t.check_rows())"
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(__file__), capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -83,57 +118,71 @@ def test_q4_1_rows_are_independent_on_every_path(isa):
     assert ran == kernels.isa() if isa == "native" else ran in (isa, "portable", "avxvnni")
 
 
-def q4_1_extremes() -> str:
-    """A digest of 8-row products at the integer sums' limits: every code 15 against activations that quantize
-    to +127 or -127 (each block's largest sums), and random codes and activations beside them."""
+@pytest.mark.parametrize("name", sorted(formats.FORMATS))
+def test_layout_holds_ggufs_own_dequantization(name):
+    """Unpacked from the file's bytes and repacked, every weight is what gguf's own dequantization gives, bit for
+    bit: nothing is re-rounded (a mixed-up bit or scale would change some)."""
+    import gguf
+
+    for N, K in ((40, 512), (3, 256)):
+        raw = gguf_rows(name, N, K, seed=N)
+        if name in formats.FLOAT_FORMATS:
+            raw = raw.reshape(N, -1)
+        want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(N, K)
+        assert np.array_equal(kernels.dequantize(formats.pack_gguf(name, raw, K)), want), (N, K)
+
+
+def extremes() -> str:
+    """A digest of 8-row products at the integer sums' limits, every format: codes at their largest (and, for
+    Q8_0, -128) against activations that quantize to +127 or -127, and random codes and activations beside them."""
     import hashlib
 
-    N, K = 48, 256
-    qs, d, m = q4_1_weights(N, K, seed=5)
-    qs[:N // 2] = 15
-    x = np.ones((8, K), np.float32)
-    x[1] = -1
-    # Multiples of 1/64: a block's sum is exact in any order, so the paths' quantizers (the AVX-512 one sums a
-    # block as a tree) agree too.
-    x[2:] = np.random.default_rng(6).integers(-127, 128, (6, K)) / 64
-    out = q4_1_session(qs, d, m, 8).run(None, {"x": x})[0]
-    return hashlib.sha256(out.tobytes()).hexdigest()
+    h = hashlib.sha256()
+    for name, f in formats.FORMATS.items():
+        N, K = 48, 512
+        raw = gguf_rows(name, N, K, seed=5)
+        if name in formats.FLOAT_FORMATS:
+            w = formats.pack_gguf(name, raw, K)
+        else:
+            u = formats.unpack(name, raw, K)
+            u.codes[:N // 2] = 0x80 if name == "Q8_0" else (1 << f.bits) - 1
+            u.codes[N // 2:N // 2 + 4] = 0x7F if name == "Q8_0" else 0
+            w = formats.pack(name, u)
+        x = np.ones((8, K), np.float32)
+        x[1] = -1
+        # Multiples of 1/64: a block's sum is exact in any order, so the paths' quantizers (the AVX-512 one sums
+        # a block as a tree) agree too.
+        x[2:] = np.random.default_rng(6).integers(-127, 128, (6, K)) / 64
+        h.update(blocks_session(w, 8).run(None, {"x": x})[0].tobytes())
+    return h.hexdigest()
 
 
-def test_q4_1_paths_agree_bitwise_at_the_integer_limits():
+def test_block_paths_agree_bitwise_at_the_integer_limits():
     """The integer block dot products are exact on every path (AVX2's int16 sums neither saturate nor wrap), and
     the float steps after them are the same, so every path gives the same bits."""
     digests = set()
     for isa in ("native", "avx2", "portable"):
-        env = {**os.environ, **({} if isa == "native" else {"SPECAIR_Q4_ISA": isa})}
-        r = subprocess.run([sys.executable, "-c", "import test_kernels as t; print(t.q4_1_extremes())"], env=env,
+        env = {**os.environ, **({} if isa == "native" else {"SPECAIR_ISA": isa})}
+        r = subprocess.run([sys.executable, "-c", "import test_kernels as t; print(t.extremes())"], env=env,
                            cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         digests.add(r.stdout.split()[-1])
     assert len(digests) == 1
 
 
-def test_q4_1_product_is_the_q4_1_weights_product():
-    N, K = 96, 320
-    qs, d, m = q4_1_weights(N, K, seed=3)
-    w = (qs.reshape(N, K // 32, 32) * d[..., None] + m[..., None]).reshape(N, K).astype(np.float64)
-    x = np.random.default_rng(4).standard_normal((5, K)).astype(np.float32)
-    out = q4_1_session(qs, d, m, 5).run(None, {"x": x})[0]
-    ref = x.astype(np.float64) @ w.T
-    # int8 activations per block of 32 (llama.cpp's Q8 for Q4_1): an error of ~1/254 of each block's largest
-    assert np.abs(out - ref).max() / np.abs(ref).max() < 0.02
-    assert np.abs(out - ref).max() / np.abs(ref).max() > 0  # activations are quantized, not read as floats
-
-
-def test_q4_1_refuses_activations_of_another_width():
-    qs, d, m = q4_1_weights(32, 64)
-    packed, scales, mins = kernels.pack_q4_1(qs, d, m)
-    inits = [numpy_helper.from_array(a, n) for a, n in ((packed, "p"), (scales, "s"), (mins, "m"))]
-    node = helper.make_node(kernels.OP, ["x", "p", "s", "m"], ["y"], domain=kernels.DOMAIN, K=64, N=32)
+def test_blocks_refuse_activations_of_another_width_and_a_short_layout():
+    w = formats.pack_gguf("Q4_K", gguf_rows("Q4_K", 32, 256), 256)
+    node = helper.make_node(kernels.OP, ["x", "r", "s"], ["y"], domain=kernels.DOMAIN, K=256, N=32, format="Q4_K")
+    inits = [numpy_helper.from_array(w.records, "r"), numpy_helper.from_array(w.super, "s")]
     s = _session([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None])],
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])], inits)
-    with pytest.raises(Exception, match="K = 64"):
-        s.run(None, {"x": np.zeros((1, 96), np.float32)})
+    with pytest.raises(Exception, match="K = 256"):
+        s.run(None, {"x": np.zeros((1, 288), np.float32)})
+    s = _session([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 256])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])],
+                 [inits[0], numpy_helper.from_array(w.super[:1], "s")])
+    with pytest.raises(Exception, match="super-block parameters"):
+        s.run(None, {"x": np.zeros((1, 256), np.float32)})
 
 
 def attention_session(B, T, H, Hkv, D, S, bias: bool):
@@ -192,7 +241,7 @@ def check_attention_rows(D: int) -> str:
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
 @pytest.mark.parametrize("D", [64, 40])
 def test_a_verify_row_attends_exactly_as_the_decode_step_of_its_token(isa, D):
-    env = {**os.environ, **({} if isa == "native" else {"SPECAIR_Q4_ISA": isa})}
+    env = {**os.environ, **({} if isa == "native" else {"SPECAIR_ISA": isa})}
     code = f"import test_kernels as t; print(t.check_attention_rows({D}))"
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(__file__), capture_output=True,
                        text=True, timeout=300)
@@ -348,4 +397,4 @@ def test_artifacts_name_the_kernels_only_when_they_use_them():
 
 
 if __name__ == "__main__":
-    print(json.dumps(check_q4_1_rows()))
+    print(json.dumps(check_rows()))

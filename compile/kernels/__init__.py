@@ -1,5 +1,5 @@
-"""specair's own row-independent kernels: the onnxruntime custom-op library with `specair.ort::MatMulQ4_1` (int4
-linear layers, q4_1.h), `specair.ort::CacheAttention` (attention over the KV cache, attention.h) and
+"""specair's own row-independent kernels: the onnxruntime custom-op library with `specair.ort::MatMulBlocks`
+(linear layers over GGUF's block formats read exactly, blocks.h, laid out by formats.py), `specair.ort::CacheAttention` (attention over the KV cache, attention.h) and
 `specair.ort::FilteredProbs` (top-k/top-p without a sort of the vocabulary, sampling.h), built from these
 sources on first use and cached by a hash of them.
 
@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from specair.models.default_model import cache_dir
+from specair.compile.kernels.formats import FORMATS, PackedWeight  # noqa: F401 (re-exported)
 from specair.models.errors import SpecairError
 
-BLOCK, TILE = 32, 16
-OP, ATTENTION, FILTER, DOMAIN = "MatMulQ4_1", "CacheAttention", "FilteredProbs", "specair.ort"
-_SOURCES = ("q4_1.h", "q4_1.cpp", "exp.h", "attention.h", "attention_simd.inc", "attention.cpp", "sampling.h",
+OP, ATTENTION, FILTER, DOMAIN = "MatMulBlocks", "CacheAttention", "FilteredProbs", "specair.ort"
+_SOURCES = ("blocks.h", "blocks.cpp", "exp.h", "attention.h", "attention_simd.inc", "attention.cpp", "sampling.h",
             "sampling.cpp", "ort_ops.cpp")
 _HERE = Path(__file__).parent
 _DEBIAN_PACKAGE = "libonnxruntime-dev"
@@ -121,24 +121,22 @@ def enabled() -> bool:
     return True
 
 
-def isa(kernel: str = "q4_1") -> str:
-    """The instruction set a kernel runs on this CPU: q4_1's avx512vnni, avxvnni, avx2 or portable, attention's
-    avx512, avx2 or portable (`SPECAIR_Q4_ISA` caps both)."""
+def isa(kernel: str = "blocks") -> str:
+    """The instruction set a kernel runs on this CPU: the block kernels' avx512vnni, avxvnni, avx2 or portable,
+    attention's avx512, avx2 or portable (`SPECAIR_ISA` caps both)."""
     fn = getattr(ctypes.CDLL(str(library())), f"specair_{kernel}_isa")
     fn.restype = ctypes.c_char_p
     return fn().decode()
 
 
-def pack_q4_1(qs: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_1 blocks (q [N, K] in 0..15, d and m [N, K/32]) in the kernel's layout (q4_1.h): packed uint8
-    [N/16, K/32, 256], scales and mins float16 [N/16, K/32, 16] (GGUF's own precision for them); N is padded
-    to a multiple of 16."""
-    N, K = qs.shape
-    nb, tiles = K // BLOCK, -(-N // TILE)
-    pad = tiles * TILE - N
-    q = np.pad(qs.astype(np.uint8), ((0, pad), (0, 0))).reshape(tiles, TILE, nb, 2, 4, 4)  # t c b half g i
-    byte = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [t, c, b, g, i]: k = 4g + i low, 16 + 4g + i high
-    packed = np.ascontiguousarray(byte.transpose(0, 2, 3, 1, 4)).reshape(tiles, nb, 256)
-    per_tile = lambda a: np.ascontiguousarray(  # noqa: E731
-        np.pad(a.astype(np.float16), ((0, pad), (0, 0))).reshape(tiles, TILE, nb).transpose(0, 2, 1))
-    return packed, per_tile(d), per_tile(m)
+def dequantize(w: PackedWeight) -> np.ndarray:
+    """The float32 weights [N, K] a packed weight holds, as the kernel reads them (for tests and checks)."""
+    fn = ctypes.CDLL(str(library())).specair_blocks_dequantize
+    fn.restype = ctypes.c_int
+    out = np.empty((w.N, w.K), dtype=np.float32)
+    rec = np.ascontiguousarray(w.records)
+    sup = None if w.super is None else np.ascontiguousarray(w.super)
+    ptr = lambda a: ctypes.c_void_p(0 if a is None else a.ctypes.data)  # noqa: E731
+    if fn(w.format.encode(), ctypes.c_int64(w.K), ctypes.c_int64(w.N), ptr(rec), ptr(sup), ptr(out)):
+        raise ValueError(f"the kernel library has no format {w.format!r}")
+    return out

@@ -129,8 +129,8 @@ struct Dispatch {
 };
 
 Dispatch pick() {
-  // SPECAIR_Q4_ISA caps this choice as it does the int4 kernel's (avx512vnni, avxvnni/avx2, portable).
-  const char* cap = std::getenv("SPECAIR_Q4_ISA");
+  // SPECAIR_ISA caps this choice as it does the block kernels' (avx512vnni, avxvnni/avx2, portable).
+  const char* cap = std::getenv("SPECAIR_ISA");
   const bool any = cap == nullptr || std::strcmp(cap, "avx512vnni") == 0;
   __builtin_cpu_init();
   if (any && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&

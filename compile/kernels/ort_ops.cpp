@@ -1,6 +1,8 @@
 // onnxruntime custom-op library, domain specair.ort. onnxruntime hands over its API at load (RegisterCustomOps),
 // so the library links nothing of onnxruntime and loads into the wheel's runtime.
-//   MatMulQ4_1(x [..., K] float, packed uint8, scales, mins float16 in q4_1.h's layout; K, N) -> [..., N]
+//   MatMulBlocks(x [..., K] float, records uint8, super uint8 (K-quants) in blocks.h's layout; K, N, format)
+//     -> [..., N]: a GGUF-quantized linear layer (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; F16, F32),
+//     row-independent.
 //   CacheAttention(q, k, v [B, T, *], k_cache, v_cache [B, Hkv, S, D], seqlens_k int32 [B], total int32,
 //                  bias [Bb, 1, T, S]?; num_heads, kv_num_heads, scale) -> out [B, T, H*D], k_present, v_present:
 //     GroupQueryAttention's contract (RoPE applied before), computed row-independently (attention.h).
@@ -15,7 +17,7 @@
 #include <vector>
 
 #include "attention.h"
-#include "q4_1.h"
+#include "blocks.h"
 #include "sampling.h"
 
 namespace {
@@ -23,78 +25,101 @@ namespace {
 constexpr int64_t kTilesPerTask = 4;
 
 struct Task {
+  int format;
   specair::Q8Rows x;
+  const float* xf;
   int64_t M, K, N, tiles;
-  const uint8_t* packed;
-  const uint16_t *scales, *mins;
+  const uint8_t *records, *super;
   float* y;
 };
 
 void run_task(void* data, size_t i) {
   const Task& t = *static_cast<const Task*>(data);
   const int64_t begin = static_cast<int64_t>(i) * kTilesPerTask;
-  specair::q4_1_tiles(t.x, t.M, t.K, t.N, t.packed, t.scales, t.mins, t.y, begin,
-                      std::min(t.tiles, begin + kTilesPerTask));
+  specair::blocks_tiles(t.format, t.x, t.xf, t.M, t.K, t.N, t.records, t.super, t.y, begin,
+                        std::min(t.tiles, begin + kTilesPerTask));
 }
 
-struct Q4Kernel {
+struct BlocksKernel {
   const OrtApi& api;
+  int format = -1;
   int64_t K = 0, N = 0;
   std::vector<int8_t> q8;
   std::vector<float> scale, sum;
+  std::vector<int32_t> isum;
 
   OrtStatusPtr error(const std::string& what) const {
-    return api.CreateStatus(ORT_INVALID_ARGUMENT, ("specair MatMulQ4_1: " + what).c_str());
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, ("specair MatMulBlocks: " + what).c_str());
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
-    const Ort::ConstValue x = ctx.GetInput(0), packed = ctx.GetInput(1), scales = ctx.GetInput(2),
-                          mins = ctx.GetInput(3);
+    const Ort::ConstValue x = ctx.GetInput(0), records = ctx.GetInput(1);
+    const specair::FormatInfo& info = specair::format_info(format);
     std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
     if (shape.empty() || shape.back() != K)
       return error("x's last dimension must be K = " + std::to_string(K));
     const int64_t tiles = (N + specair::kTile - 1) / specair::kTile, nb = K / specair::kBlock;
-    if (packed.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(tiles * nb * 256) ||
-        scales.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(tiles * nb * specair::kTile) ||
-        mins.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(tiles * nb * specair::kTile))
-      return error("packed weights do not match K = " + std::to_string(K) + ", N = " + std::to_string(N));
+    const uint8_t* super = nullptr;
+    if (info.super) {
+      const Ort::ConstValue s = ctx.GetInputCount() > 2 ? ctx.GetInput(2) : Ort::ConstValue{nullptr};
+      if (!s || s.GetTensorTypeAndShapeInfo().GetElementCount() !=
+                    static_cast<size_t>(tiles * (nb / specair::kSuper) * info.super))
+        return error(std::string(info.name) + " super-block parameters do not match K and N");
+      super = s.GetTensorData<uint8_t>();
+    }
+    if (records.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(tiles * nb * info.record))
+      return error(std::string(info.name) + " blocks do not match K = " + std::to_string(K) + ", N = " +
+                   std::to_string(N));
     int64_t M = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) M *= shape[i];
     shape.back() = N;
     Ort::UnownedValue y = ctx.GetOutput(0, shape);
     if (M == 0) return nullptr;
-    q8.resize(static_cast<size_t>(M * K));
-    scale.resize(static_cast<size_t>(M * nb));
-    sum.resize(static_cast<size_t>(M * nb));
-    specair::quantize_rows(x.GetTensorData<float>(), M, K, q8.data(), scale.data(), sum.data());
-    Task task{{q8.data(), scale.data(), sum.data()}, M, K, N, tiles, packed.GetTensorData<uint8_t>(),
-              static_cast<const uint16_t*>(scales.GetTensorRawData()),
-              static_cast<const uint16_t*>(mins.GetTensorRawData()), y.GetTensorMutableData<float>()};
+    if (!specair::is_float(format)) {
+      q8.resize(static_cast<size_t>(M * K));
+      scale.resize(static_cast<size_t>(M * nb));
+      sum.resize(static_cast<size_t>(M * nb));
+      isum.resize(static_cast<size_t>(2 * M * nb));
+      specair::quantize_rows(x.GetTensorData<float>(), M, K, q8.data(), scale.data(), sum.data(), isum.data());
+    }
+    Task task{format, {q8.data(), scale.data(), sum.data(), isum.data()}, x.GetTensorData<float>(), M, K, N, tiles,
+              records.GetTensorData<uint8_t>(), super, y.GetTensorMutableData<float>()};
     const size_t tasks = static_cast<size_t>((tiles + kTilesPerTask - 1) / kTilesPerTask);
     return api.KernelContext_ParallelFor(context, run_task, tasks, 0, &task);
   }
 };
 
-struct Q4Op : Ort::CustomOpBase<Q4Op, Q4Kernel, true> {
+struct BlocksOp : Ort::CustomOpBase<BlocksOp, BlocksKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    auto* k = new Q4Kernel{api};
-    Ort::ConstKernelInfo ki(info);
+    auto* k = new BlocksKernel{api};
     if (auto* s = api.KernelInfoGetAttribute_int64(info, "K", &k->K)) return delete k, s;
     if (auto* s = api.KernelInfoGetAttribute_int64(info, "N", &k->N)) return delete k, s;
-    if (k->K <= 0 || k->K % specair::kBlock || k->N <= 0) {
+    char name[16] = {0};
+    size_t size = sizeof name;
+    if (auto* s = api.KernelInfoGetAttribute_string(info, "format", name, &size)) return delete k, s;
+    k->format = specair::format_by_name(name);
+    if (k->format < 0) {
       delete k;
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, "specair MatMulQ4_1: K must be a positive multiple of 32");
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string("specair MatMulBlocks: unknown format ") + name).c_str());
+    }
+    const int64_t step = specair::format_info(k->format).super ? specair::kBlock * specair::kSuper : specair::kBlock;
+    if (k->K <= 0 || k->K % step || k->N <= 0) {
+      delete k;
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, ("specair MatMulBlocks: K must be a positive multiple of " +
+                                                     std::to_string(step) + " for " + name).c_str());
     }
     *kernel = k;
     return nullptr;
   }
-  const char* GetName() const { return "MatMulQ4_1"; }
+  const char* GetName() const { return "MatMulBlocks"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 4; }
+  size_t GetInputTypeCount() const { return 3; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
-         : i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i == 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
@@ -229,13 +254,21 @@ struct FilterOp : Ort::CustomOpBase<FilterOp, FilterKernel, true> {
 
 extern "C" {
 
-__attribute__((visibility("default"))) const char* specair_q4_1_isa() { return specair::q4_1_isa(); }
+__attribute__((visibility("default"))) const char* specair_blocks_isa() { return specair::blocks_isa(); }
+__attribute__((visibility("default"))) int specair_blocks_dequantize(const char* format, int64_t K, int64_t N,
+                                                                     const uint8_t* records, const uint8_t* super,
+                                                                     float* w) {
+  const int f = specair::format_by_name(format);
+  if (f < 0) return -1;
+  specair::blocks_dequantize(f, K, N, records, super, w);
+  return 0;
+}
 __attribute__((visibility("default"))) const char* specair_attention_isa() { return specair::attention_isa(); }
 
 __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
                                                                                  const OrtApiBase* base) {
   static std::once_flag once;
-  static Q4Op op;
+  static BlocksOp op;
   static AttentionOp attention;
   static FilterOp filter;
   static Ort::CustomOpDomain* domain = nullptr;
