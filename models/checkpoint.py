@@ -80,6 +80,65 @@ def load_checkpoint(
     return ckpt
 
 
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint holds, read from its headers alone: its parameter count and the GGML types of its 2-D
+    weights (empty for float checkpoints: HF safetensors, llama2.c, float GGUF files)."""
+
+    num_params: int
+    quantized_types: frozenset[str]
+
+
+def describe(path: str | os.PathLike | None) -> CheckpointInfo:
+    """CheckpointInfo without reading any weights (None: the default model, whose weights are Q4_1 and Q8_0)."""
+    if path is None:
+        from specair.models.default_model import default_gguf_path
+
+        path = default_gguf_path()
+    p = Path(path).expanduser()
+    if p.is_dir():
+        cfg = ModelConfig.from_hf(read_json_object(p / "config.json")) if (p / "config.json").is_file() else None
+        if cfg is None:
+            raise ModelFormatError(f"{p}: no config.json; an HF model directory needs config.json and model.safetensors")
+        shapes = expected_shapes(cfg)
+        return CheckpointInfo(sum(int(np.prod(s)) for s in shapes.values()), frozenset())
+    if not p.is_file():
+        raise ModelFormatError(f"{p}: no such file or directory")
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        from specair.models.gguf_loader import gguf_info
+
+        return gguf_info(p)
+    size = p.stat().st_size  # a llama2.c file is its float32 weights and a small header
+    return CheckpointInfo(size // 4, frozenset())
+
+
+def check_memory(path: str | os.PathLike | None, dtype: torch.dtype) -> None:
+    """Refuse, in one line and before any weight is read, a checkpoint whose weights would not fit in the memory
+    this machine has available: loading holds them in `dtype` twice at its peak (as read, and fused)."""
+    info = describe(path)
+    need = 2 * info.num_params * torch.empty((), dtype=dtype).element_size()
+    free = available_memory()
+    if free is not None and need > free:
+        raise ModelFormatError(
+            f"{path or 'the default model'}: {info.num_params / 1e9:.2f}B parameters need about {need / 2**30:.1f} GiB "
+            f"of memory to load as {str(dtype).removeprefix('torch.')} and this machine has {free / 2**30:.1f} GiB "
+            "available")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _load_file(p: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
     try:
         with open(p, "rb") as f:

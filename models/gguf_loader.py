@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from specair.models.checkpoint import Checkpoint, StoredWeight, check_state_dict, file_sha256, interleaved_to_half
+from specair.models.checkpoint import (Checkpoint, CheckpointInfo, StoredWeight, check_state_dict, file_sha256,
+                                      interleaved_to_half)
 from specair.models.config import ModelConfig
 from specair.models.errors import ModelFormatError
 from specair.models.tokenizer import Tokenizer
@@ -174,6 +175,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progr
     from tqdm import tqdm
 
     path = Path(path)
+    gguf_info(path)  # an unknown tensor type is one clear line before the reader's
     reader = open_gguf(path)
     arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
     cfg = ModelConfig.from_hf(gguf_hf_config(reader))
@@ -219,6 +221,27 @@ def _stored(index: list[tuple[str, str, tuple[int, ...], np.ndarray]], arch: str
     return stored
 
 
+def gguf_info(path: str | os.PathLike) -> CheckpointInfo:
+    """A GGUF file's parameter count (the tensors specair reads) and the GGML types of its quantized weights,
+    from its tensor index."""
+    from gguf import GGMLQuantizationType
+
+    _, tensors, _ = _tensor_index(Path(path))
+    params, types = 0, set()
+    for name, dims, kind, _ in tensors:
+        if hf_name(name) is None:
+            continue
+        params += math.prod(dims)
+        try:
+            type_name = GGMLQuantizationType(kind).name
+        except ValueError:
+            raise ModelFormatError(f"{path}: tensor {name} has GGML type {kind}, which neither gguf nor specair "
+                                   "knows") from None
+        if len(dims) == 2:
+            types.add(type_name)
+    return CheckpointInfo(params, frozenset() if types <= _FLOAT_TYPES else frozenset(types))
+
+
 def load_stored(path: str | os.PathLike, cfg: ModelConfig) -> dict[str, StoredWeight]:
     """`stored_weights` of the GGUF file at `path` (for a model loaded from its conversion), from the file's
     tensor index alone: gguf's reader parses every metadata string, seconds for a vocabulary."""
@@ -244,12 +267,15 @@ def _tensor_index(path: Path) -> tuple[str | None, list[tuple[str, tuple[int, ..
     and the data section's start, from its header; metadata values other than those two are skipped."""
     import struct
 
+    size = path.stat().st_size
     with open(path, "rb") as f:
         buf = f.read(1 << 16)
         pos = 0
 
         def need(n: int) -> None:
             nonlocal buf
+            if pos + n > size:
+                raise ModelFormatError(f"{path}: corrupt or truncated GGUF file (its header runs past the end)")
             while pos + n > len(buf):
                 more = f.read(max(1 << 20, n))
                 if not more:
@@ -283,9 +309,11 @@ def _tensor_index(path: Path) -> tuple[str | None, list[tuple[str, tuple[int, ..
                 else:
                     for _ in range(count):
                         skip(item)
-            else:
+            elif kind in _SCALAR_SIZES:
                 need(_SCALAR_SIZES[kind])
                 pos += _SCALAR_SIZES[kind]
+            else:
+                raise ModelFormatError(f"{path}: corrupt GGUF file (metadata value of unknown type {kind})")
 
         magic, _, n_tensors, n_kv = take("4sIQQ")
         if magic != b"GGUF":

@@ -21,7 +21,7 @@ from specair.compile.backends import BackendUnavailable, get_backend
 from specair.compile.catalog import Catalog
 from specair.compile.plan import VARIANTS, Plan
 from specair.compile.spec_config import SpeculativeConfig
-from specair.models.checkpoint import load_checkpoint
+from specair.models.checkpoint import check_memory, load_checkpoint
 from specair.models.errors import InputError
 from specair.models.llama import TensorParallel, Transformer, build_model, with_features
 from specair.runtime.engine import Engine
@@ -48,6 +48,8 @@ def load_model(path: str | None, dtype: str, tp: TensorParallel | None = None) -
     """A model (with `tp`, this rank's shard, of which it reads only its part), its tokenizer (None for
     checkpoints without one) and its weights' fingerprint."""
     t0 = time.perf_counter()
+    if tp is None:
+        check_memory(path, DTYPES[dtype])
     ckpt = load_checkpoint(path, dtype=DTYPES[dtype], shard=None if tp is None else (tp.rank, tp.world))
     model = build_model(ckpt.config, ckpt.state_dict, DTYPES[dtype], tp, stored=ckpt.stored)
     log(f"loaded {ckpt.source} ({ckpt.config.model_type}, {ckpt.config.num_layers} layers, {dtype}) "
@@ -177,11 +179,20 @@ def auto_spec(be: Any, dtype: str, batch_buckets: tuple[int, ...]) -> Speculativ
     return parse_spec(AUTO_SPEC)
 
 
+# Float checkpoints of at least this many parameters run int4 on `--backend auto`. A decode step of such a model
+# is bound by reading its weights (float32 reads 6.4x the bytes of Q4_1), so int4 runs it several times faster,
+# at a perplexity cost printed once (compile/quality.py); smaller checkpoints are toy and test models, whose
+# step time is per-operator overhead whatever their weights, and which stay exactly the float model.
+AUTO_INT4_MIN_PARAMS = 100_000_000
+
+
 def auto_backend(model: str | None, quantize: str | None = None, dtype: str = "fp32") -> tuple[str, str | None]:
-    """What `--backend auto` runs: onnxruntime where it is installed (else eager), with the default model's
-    Q4_1 weights read exactly as int4 (`--quantize` overrides; other checkpoints keep float weights).
+    """What `--backend auto` runs: onnxruntime where it is installed (else eager), with weights on specair's int4
+    kernels: a GGUF file's quantized weights as it stores them (the default model's Q4_1 and Q8_0 included), and
+    float checkpoints of AUTO_INT4_MIN_PARAMS parameters or more rounded onto Q4_1 (`--quantize` overrides).
     Other dtypes than fp32 run eager: the compiled path's kernels and its measurements are fp32's."""
     from specair.compile.backends.onnx import OnnxBackend
+    from specair.models.checkpoint import describe
 
     if dtype != "fp32":
         return "eager", None
@@ -189,7 +200,19 @@ def auto_backend(model: str | None, quantize: str | None = None, dtype: str = "f
         OnnxBackend.check_available()
     except BackendUnavailable:
         return "eager", None
-    return "onnx", quantize if quantize is not None else ("int4" if model is None else None)
+    if quantize is not None:
+        return "onnx", quantize
+    info = describe(model)
+    if info.quantized_types:
+        log(f"specair: reading {'the default model' if model is None else Path(model).name}'s "
+            f"{', '.join(sorted(info.quantized_types))} weights as stored, on specair's kernels")
+        return "onnx", "int4"
+    if info.num_params >= AUTO_INT4_MIN_PARAMS:
+        log(f"specair: {Path(model).name} has {info.num_params / 1e6:.0f}M float parameters: running its linear "
+            f"layers as int4 (Q4_1 blocks of 32) on specair's kernels (--quantize none keeps float32; the quality "
+            "cost is measured once, when its graphs are built)")
+        return "onnx", "int4"
+    return "onnx", None
 
 
 def cached_artifacts(models: Models, plan: Plan, backend: Any, *, progress: bool = True) -> tuple[Path, dict[str, Any]]:
@@ -215,7 +238,23 @@ def cached_artifacts(models: Models, plan: Plan, backend: Any, *, progress: bool
         t0 = time.perf_counter()
         compile_artifacts(catalog, backend, art, models.fingerprints, progress=progress)
         log(f"specair: compiled in {time.perf_counter() - t0:.0f}s")
+        if getattr(backend.quantization, "method", None) == "int4":
+            _report_int4_cost(models, art)
         return art, read_manifest(art)
+
+
+def _report_int4_cost(models: Models, art: Path) -> None:
+    """Measure and print, once per build, what int4 costs the float weights it rounds (compile/quality.py)."""
+    from specair.compile.quality import int4_cost
+
+    t0 = time.perf_counter()
+    cost = int4_cost(models.target, models.tokenizer)
+    if cost is None:
+        return
+    (art / "quality.json").write_text(json.dumps(cost, indent=2) + "\n")
+    log(f"specair: int4 quality cost, measured once ({time.perf_counter() - t0:.0f}s): perplexity "
+        f"{cost['perplexity_int4']:.2f} against {cost['perplexity_float']:.2f} with the float weights "
+        f"({cost['tokens']} tokens of a shipped public-domain text; {art / 'quality.json'})")
 
 
 def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | dict | None = None,

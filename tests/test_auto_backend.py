@@ -28,10 +28,14 @@ def tokens(engine, n=24):
     return LLM.from_engine(engine).generate(PROMPT, SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
 
 
-def test_auto_resolves_to_onnx_with_exact_int4_for_the_default_model_only():
+def test_auto_reads_quantized_files_as_stored_and_keeps_small_float_checkpoints_float(tiny_dir, monkeypatch):
+    """The default model (and any quantized GGUF) runs on the int4 kernels; a float checkpoint does from
+    AUTO_INT4_MIN_PARAMS on (a toy one stays float32, exactly the model); --quantize overrides."""
     assert auto_backend(None) == ("onnx", "int4")
-    assert auto_backend("/some/checkpoint") == ("onnx", None)
-    assert auto_backend("/some/checkpoint", "int8") == ("onnx", "int8")
+    assert auto_backend(str(tiny_dir)) == ("onnx", None)
+    assert auto_backend(str(tiny_dir), "int8") == ("onnx", "int8")
+    monkeypatch.setattr(build, "AUTO_INT4_MIN_PARAMS", 1000)
+    assert auto_backend(str(tiny_dir)) == ("onnx", "int4")
 
 
 def test_ngram_lookahead_defaults_to_three():
