@@ -84,15 +84,17 @@ class BenchConfig:
     name: str | None = None
     quantize: str | None = None  # weight-only quantization, as recorded in the artifacts' manifest
     tensor_parallel_size: int = 1
+    model: str | None = None  # this configuration's checkpoint, when not the benchmark's --model
 
     @property
     def label(self) -> str:
         return self.name or config_name(self)
 
     @property
-    def baseline_key(self) -> tuple[str, str, str | None, int]:
-        """Configurations with the same key share an autoregressive baseline (same arithmetic, backend and ranks)."""
-        return (self.backend, self.dtype, self.quantize, self.tensor_parallel_size)
+    def baseline_key(self) -> tuple[str, str, str | None, int, str | None]:
+        """Configurations with the same key share an autoregressive baseline (same weights, arithmetic, backend
+        and ranks)."""
+        return (self.backend, self.dtype, self.quantize, self.tensor_parallel_size, self.model)
 
 
 def config_name(cfg: BenchConfig) -> str:
@@ -112,7 +114,8 @@ def config_name(cfg: BenchConfig) -> str:
         extra = " ".join(f"{k}={show(k, v)}" for k, v in s.items() if k not in ("method", "num_speculative_tokens"))
         name = f"{s['method']} k={s['num_speculative_tokens']}" + (f" {extra}" if extra else "")
     tags = [t for t in (cfg.backend if cfg.backend != "eager" else "", cfg.dtype if cfg.dtype != "fp32" else "",
-                        cfg.quantize or "", f"tp{cfg.tensor_parallel_size}" if cfg.tensor_parallel_size > 1 else "")
+                        cfg.quantize or "", f"tp{cfg.tensor_parallel_size}" if cfg.tensor_parallel_size > 1 else "",
+                        Path(cfg.model).name if cfg.model else "")
             if t]
     return name + (f" [{' '.join(tags)}]" if tags else "")
 
@@ -161,7 +164,7 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
         if not isinstance(entry, dict):
             raise InputError(f"a configuration must be null, a speculative config or an object, got {entry!r}")
         unknown = set(entry) - {"speculative_config", "backend", "dtype", "quantize", "artifacts", "name",
-                                "tensor_parallel_size"}
+                                "tensor_parallel_size", "model"}
         if unknown:
             raise InputError(f"unknown configuration key(s) {sorted(unknown)}")
         spec = entry.get("speculative_config")
@@ -187,13 +190,14 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
                     name += f" ({sp['acceptance']})"
                 out.append(BenchConfig(sp, be, entry.get("dtype", dtype), name=name, quantize=entry.get("quantize"),
                                        tensor_parallel_size=int(entry.get("tensor_parallel_size",
-                                                                          tensor_parallel_size))))
+                                                                          tensor_parallel_size)),
+                                       model=entry.get("model")))
     # Baselines: any autoregressive configuration; one is added per (backend, dtype) that lacks it (not for
     # artifacts: their speculative configurations fall back to the reference when no autoregressive artifact
     # with the same backend and quantization is listed).
     baselines = {c.baseline_key for c in out if c.speculative_config is None}
-    needed = [BenchConfig(None, be, dt, quantize=q, tensor_parallel_size=tp) for be, dt, q, tp in
-              dict.fromkeys(c.baseline_key for c in out if not c.artifacts) if (be, dt, q, tp) not in baselines]
+    needed = [BenchConfig(None, be, dt, quantize=q, tensor_parallel_size=tp, model=m) for be, dt, q, tp, m in
+              dict.fromkeys(c.baseline_key for c in out if not c.artifacts) if (be, dt, q, tp, m) not in baselines]
     configs = out + needed
     if sum(c.tensor_parallel_size > 1 for c in configs) > 1:
         raise InputError("at most one configuration may use tensor_parallel_size > 1 (a process drives one "
@@ -201,7 +205,7 @@ def parse_configs(entries: Sequence[Any], backends: Sequence[str] = ("eager",),
     # Baselines first, plain eager fp32 first among them (the reference), then the main job; the listed order
     # otherwise kept.
     configs.sort(key=lambda c: (c.speculative_config is not None, c.speculative_config != AUTO,
-                                c.baseline_key != ("eager", "fp32", None, 1)))
+                                c.baseline_key != ("eager", "fp32", None, 1, None)))
     names = [c.label for c in configs]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -294,7 +298,8 @@ def peer_label(peer: str, spec: dict[str, Any]) -> str:
 def make_runner(spec: dict[str, Any]) -> Runner:
     """Build a runner from its JSON description (also how the memory probe rebuilds it in a fresh process)."""
     if spec["kind"] == "specair":
-        return SpecairRunner(spec["model"], BenchConfig(**spec["config"]), spec["max_context"],
+        config = BenchConfig(**spec["config"])
+        return SpecairRunner(config.model or spec["model"], config, spec["max_context"],
                              spec["batch_buckets"], spec["threads"], spec.get("device"))
     peer = spec["peer"]
     if peer in TRANSFORMERS_PEERS:
@@ -381,8 +386,12 @@ def measure_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
 def weight_bytes_per_token(model: Any, quantization: Any = None) -> int:
     """Bytes of weights one decode step reads: every parameter, except an untied embedding table (a decode
     step reads one row of it; a tied one is the LM head and is read whole); with weight-only `quantization`
-    (compile/quantize.Quantization), every linear layer's weight, the LM head included, as it stores them."""
+    (compile/quantize.Quantization), every linear layer's weight, the LM head included, as it stores them (a
+    GGUF file's weights in their formats, as specair's kernels lay them out)."""
     import torch
+
+    from specair.compile.kernels.formats import FORMATS
+    from specair.models.llama import GGUF_PARTS
 
     skip = set() if model.output is None else {id(model.tok_embeddings.weight)}
     linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
@@ -394,7 +403,12 @@ def weight_bytes_per_token(model: Any, quantization: Any = None) -> int:
             continue
         seen.add(id(p))
         quantized = quantization is not None and id(p) in linear
-        total += p.numel() * (quantization.bytes_per_weight if quantized else p.element_size())
+        parts = getattr(p, GGUF_PARTS, None) if quantized and quantization.kernel != "MatMulNBits" else None
+        if parts:
+            total += sum(w.shape[0] * w.shape[1] * FORMATS.get(w.type, FORMATS["F32"]).bits_per_weight / 8
+                         for w in parts)
+        else:
+            total += p.numel() * (quantization.bytes_per_weight if quantized else p.element_size())
     return int(total)
 
 
@@ -516,6 +530,7 @@ class BenchOptions:
     peers: tuple[str, ...] | str = "auto"
     hf_model: str | None = None
     gguf: str | None = None
+    ggufs: tuple[str, ...] = ()  # several GGUF files, each beside llama.cpp (--gguf is the first when both)
     assistant: str | None = None
     prompt_lookup_tokens: int = 10
     prompt_lookup_max_ngram: int = 3
@@ -610,7 +625,7 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         runners[c.label] = make_runner(spec)
         base = c.label if c.speculative_config is None else baseline_of.get(c.baseline_key)
         if base is None:
-            base = baseline_of.get(("eager", c.dtype, None, 1), configs[0].label)
+            base = baseline_of.get(("eager", c.dtype, None, 1, c.model), configs[0].label)
             notes.append(f"{c.label}: no autoregressive configuration with the same backend and quantization "
                          f"was listed; its speedup is over {base}")
         entries.append(Entry(c.label, "specair", base, spec))
@@ -619,14 +634,17 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     assert isinstance(ref_runner, SpecairRunner)
     if peers:
         hf_dir, gguf, peer_notes = _resolve_peer_weights(opts)
+        ggufs = list(dict.fromkeys(([gguf] if gguf else []) + list(opts.ggufs)))
         peer_entries: dict[str, Entry] = {}
-        for p in peers:
-            spec = {"kind": "peer", "peer": p, "hf_dir": hf_dir, "gguf": gguf, "assistant": opts.assistant,
+        runs = [(p, g) for p in peers for g in (ggufs or [None] if peer_engine(p) == "llama.cpp" else [gguf])]
+        for p, g in runs:
+            spec = {"kind": "peer", "peer": p, "hf_dir": hf_dir, "gguf": g, "assistant": opts.assistant,
                     "max_context": opts.max_context, "prompt_lookup_tokens": opts.prompt_lookup_tokens,
                     "prompt_lookup_max_ngram": opts.prompt_lookup_max_ngram, "threads": threads,
                     "seed": opts.seed}
-            name = peer_label(p, spec)
-            base = peer_label(peer_baseline(p), spec)
+            tag = f" ({Path(g).name})" if len(ggufs) > 1 and peer_engine(p) == "llama.cpp" else ""
+            name = peer_label(p, spec) + tag
+            base = peer_label(peer_baseline(p), spec) + tag
             if base != name and base not in peer_entries:
                 notes.append(f"{name} skipped: its baseline {base} did not run")
                 continue
@@ -715,6 +733,16 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
         gb = gguf_bytes_per_token(llama_entry.runner["gguf"])
         floor["gguf_bytes_per_token"] = gb
         floor["gguf_floor_tokens_per_s"] = bw / gb
+    # every configuration's own floor: the weights it reads per token, as it stores them
+    per_entry = {}
+    for e in entries:
+        if e.engine == "specair":
+            eng = runners[e.name].llm.engine
+            per_entry[e.name] = weight_bytes_per_token(eng.target, getattr(eng.graphs.backend, "quantization", None))
+        elif e.engine == "llama.cpp":
+            per_entry[e.name] = gguf_bytes_per_token(e.runner["gguf"])
+    floor["bytes_per_token"] = per_entry
+    floor["floor_ms_per_token_of"] = {n: 1e3 * b / bw for n, b in per_entry.items()}
 
     # Peak memory: each configuration alone in a fresh process (measurements above are not disturbed).
     memory_method = "not measured (--no-memory)"
@@ -821,6 +849,12 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--profile", action="store_true",
                    help="also break down where a step's time goes for autoregressive and the best configuration")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--ladder", action="store_true", help="plain decoding at four model sizes (SmolLM2-135M, and "
+                   "random-weight checkpoints of SmolLM2-360M's, SmolLM2-1.7B's and Qwen3-1.7B's shapes, for speed "
+                   "only): specair's defaults and a Q4_K_M file beside llama.cpp (the same GGUF files) and OpenVINO "
+                   "GenAI int4, one bench run per rung (see benchmarks/ladder.py)")
+    p.add_argument("--rungs", type=_csv(str), help="with --ladder: only these rungs (smollm2-135m, smollm2-360m, "
+                   "smollm2-1.7b, qwen3-1.7b)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -856,6 +890,15 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 def cmd_bench(args: argparse.Namespace) -> None:
     """`specair bench`: run, write the files, print the table."""
+    if args.ladder:
+        from specair.benchmarks.ladder import run_ladder
+
+        if args.configs or args.spec or args.model:
+            raise InputError("--ladder picks its own models and configurations; drop --model, --configs and --spec")
+        ladder = run_ladder(options_from_args(args), list(args.rungs) if args.rungs else None)
+        print((Path(args.out) / "ladder.md").read_text())
+        print(f"wrote {Path(args.out) / 'ladder.json'}" + "".join(f", {p}" for p in ladder.get("plots", [])))
+        return
     report = run_bench(options_from_args(args))
     print(markdown_table(report["summary"]))
     for n in report["notes"]:

@@ -138,6 +138,20 @@ def vocab_logits(hidden: Tensor, holder: nn.Module) -> Tensor:
     return full[:holder.vocab_size].movedim(0, -1)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dimension, normalising in at least float32 (as transformers does) so half-precision
+    models stay accurate."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def swiglu(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up of a fused gate/up projection's output [..., 2F] (gate first)."""
+    gate, up = gate_up.split(static_shape(gate_up)[-1] // 2, dim=-1)  # chunk() would export as shape arithmetic
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -145,10 +159,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in at least float32 (as transformers does) so half-precision models stay accurate.
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        fn = _ROWWISE.fn
+        return rms_norm(x, self.weight, self.eps) if fn is None else fn.rms_norm(x, self.weight, self.eps)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, k_past: Tensor, v_past: Tensor, mask: Tensor,
@@ -217,6 +229,15 @@ class KernelSlot:
 
 
 _ATTENTION = KernelSlot()
+# The row-wise steps (an object with `rms_norm(x, weight, eps)` and `swiglu(gate_up)`), which a backend may
+# capture as single operators (`use_rowwise`).
+_ROWWISE = KernelSlot()
+
+
+def use_rowwise(kernels: Any) -> contextlib.AbstractContextManager[None]:
+    """Run RMSNorm and the SwiGLU activation through `kernels.rms_norm` and `kernels.swiglu` (computing what
+    `rms_norm` and `swiglu` compute) while the block runs; backends use it to capture fused operators."""
+    return _ROWWISE.use(kernels)
 
 
 def use_attention(kernel) -> contextlib.AbstractContextManager[None]:
@@ -265,8 +286,9 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return all_reduce(self.w2(F.silu(gate) * up), self.tp)
+        fn = _ROWWISE.fn
+        h = self.w13(x)
+        return all_reduce(self.w2(swiglu(h) if fn is None else fn.swiglu(h)), self.tp)
 
 
 class Block(nn.Module):

@@ -104,7 +104,7 @@ def test_parse_configs_expands_and_adds_baselines():
     # Quantized weights are other arithmetic: their speculative configs get a quantized baseline.
     q = bench.parse_configs([{"speculative_config": ls, "backend": "onnx", "quantize": "int4"}])
     assert [c.label for c in q] == ["autoregressive [onnx int4]", "layer_skip k=2 num_layers=1 [onnx int4]"]
-    assert q[0].baseline_key == q[1].baseline_key == ("onnx", "fp32", "int4", 1)
+    assert q[0].baseline_key == q[1].baseline_key == ("onnx", "fp32", "int4", 1, None)
     with pytest.raises(InputError, match="num_speculative_tokens"):
         bench.parse_configs([{"method": "layer_skip", "num_layers": 1}])
     with pytest.raises(InputError, match="share the name"):
@@ -274,7 +274,7 @@ def test_bandwidth_floor_counts_the_weights_as_the_reference_stores_them(tmp_pat
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     table = model.tok_embeddings.weight.numel()
     rest = sum(p.numel() for p in params) - linear - table
-    q4 = dataclasses.replace(SCHEMES["int4"], kernel="MatMulQ4_1")
+    q4 = dataclasses.replace(SCHEMES["int4"], kernel="MatMulBlocks")
     assert q4.bytes_per_weight == 0.625 and SCHEMES["int8"].bytes_per_weight == 1.125
     assert bench.weight_bytes_per_token(model, q4) == int(0.625 * (linear + table) + 4 * rest)
     assert parse_quantize("int4").bytes_per_weight in (0.625, 0.640625)  # specair's kernel, or MatMulNBits

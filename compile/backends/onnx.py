@@ -41,6 +41,7 @@ from torch import Tensor
 
 from specair.compile.backends.base import Backend, BackendUnavailable, CompiledGraph
 from specair.compile.backends.onnx_attention import IN_PLACE, PRESENT, lower_fused_attention
+from specair.compile.backends.onnx_fusion import fuse_rowwise
 from specair.compile.backends.onnx_export import (OPSET, OnnxExportError, export_self_contained, linear_to_gemm,
                                                   module_tensors, torch_export)
 from specair.compile.backends.onnx_weights import (WEIGHTS_FILE, WEIGHTS_INDEX, OnnxArtifactError, WeightStore,
@@ -279,13 +280,15 @@ class OnnxBackend(Backend):
         try:
             # Weights stay graph inputs (no data written, nothing folded into renamed copies).
             torch_export(graph, tmp, self.opset, fold=False, export_params=False,
-                          fuse_attention=self.fuse_attention, kernel_filter=self.kernels)
+                          fuse_attention=self.fuse_attention, kernel_filter=self.kernels, kernel_rowwise=self.kernels)
             model = onnx.load(str(tmp))
         finally:
             tmp.unlink(missing_ok=True)
         lower_fused_attention(model, row_independent=self.kernels)
         tensors = module_tensors(graph.module)
         quantized = self._quantizer.rewrite(model, tensors) if self._quantizer is not None else {}
+        if self.kernels:
+            fuse_rowwise(model)
         linear_to_gemm(model, set(tensors))
         store = self._stores.get(art_dir)
         if store is None or (store.entries and not store.bin.exists()):  # first use, or the directory was wiped

@@ -19,7 +19,8 @@ replaces the Slice/Gather chain in front of its cache inputs by one graph input 
 and adds the in-place outputs (`k_cache.<layer>.present`), which OrtGraph binds to the caller's cache.
 With `row_independent` (where specair's kernel library builds) the node is `specair.ort::CacheAttention`
 instead, GroupQueryAttention's contract computed so that a verify row equals the decode step of its token
-bit for bit (compile/kernels/attention.h); RoPE then stays in its own nodes.
+bit for bit (compile/kernels/attention.h). Where nothing else reads the rotated q and k, either kernel takes
+the packed projection and applies RoPE itself (`_pack_rotary`).
 Applies when the step has no earlier uncached tokens (`k_prev`), no sliding window, float32, and one row
 or one token per row (the CPU kernel takes several new tokens after a cache only at batch 1); a tree's
 visibility among its T tokens enters as `attention_bias` over the slots, on top of the kernel's causal
@@ -236,9 +237,8 @@ def lower_fused_attention(model, row_independent: bool = False) -> int:
     g.node.extend(nodes)
     _drop_written_kv(g)
     _drop_dead(g)
-    if not row_independent:
-        _pack_rotary(g)
-        _drop_dead(g)
+    _pack_rotary(g)
+    _drop_dead(g)
     for imp in list(model.opset_import):
         if imp.domain == DOMAIN:
             model.opset_import.remove(imp)
@@ -281,7 +281,7 @@ def _drop_written_kv(g) -> None:
 
 
 def _pack_rotary(g) -> None:
-    """Where nothing but GroupQueryAttention reads the rotated q and k (the graph returns no new K), let it
+    """Where nothing but the attention node reads the rotated q and k (the graph returns no new K), let it
     take the packed q|k|v projection and apply RoPE itself (do_rotary, same tables and positions): the
     Split and both RotaryEmbedding nodes go."""
     from onnx import helper
@@ -292,7 +292,8 @@ def _pack_rotary(g) -> None:
         for i in n.input:
             readers[i] = readers.get(i, 0) + 1
     for n in g.node:
-        if n.op_type != "GroupQueryAttention" or n.domain != "com.microsoft" or n.input[1] == "":
+        ours = n.op_type == kernels.ATTENTION and n.domain == kernels.DOMAIN
+        if not (ours or n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft") or n.input[1] == "":
             continue
         rq, rk = producers.get(n.input[0]), producers.get(n.input[1])
         if not (rq is not None and rk is not None and rq.op_type == rk.op_type == "RotaryEmbedding"
@@ -304,7 +305,11 @@ def _pack_rotary(g) -> None:
                 or list(split.output) != [rq.input[0], rk.input[0], n.input[2]]):
             continue
         positions, cos, sin = rq.input[1:4]
-        args = [split.input[0], "", ""] + list(n.input[3:7]) + [cos, sin, positions] + list(n.input[10:])
+        if ours:
+            bias = n.input[7] if len(n.input) > 7 else ""
+            args = [split.input[0], "", ""] + list(n.input[3:7]) + [bias, positions, cos, sin]
+        else:
+            args = [split.input[0], "", ""] + list(n.input[3:7]) + [cos, sin, positions] + list(n.input[10:])
         del n.input[:]
         n.input.extend(args)
         n.attribute.append(helper.make_attribute("do_rotary", 1))

@@ -40,7 +40,7 @@ from specair.compile.backends.onnx_attention import fused_kernel
 from specair.compile.graph_def import GraphDef
 from specair.graphs.sampling import logits_to_probs, use_filter
 from specair.models.errors import SpecairError
-from specair.models.llama import use_attention
+from specair.models.llama import rms_norm, swiglu, use_attention, use_rowwise
 
 OPSET = 13
 _MAX_PROTO = 2**31 - 1
@@ -179,18 +179,57 @@ class _FilteredProbs(torch.autograd.Function):
         return out
 
 
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # noqa: ARG004
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def symbolic(g, x, weight, eps):
+        out = g.op(f"{kernels.DOMAIN}::{kernels.RMSNORM}", x, weight, epsilon_f=float(eps))
+        out.setType(x.type())
+        return out
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up: Tensor) -> Tensor:  # noqa: ARG004
+        return swiglu(gate_up)
+
+    @staticmethod
+    def symbolic(g, gate_up):
+        out = g.op(f"{kernels.DOMAIN}::{kernels.SWIGLU}", gate_up)
+        sizes = gate_up.type().sizes()
+        out.setType(gate_up.type().with_sizes(sizes[:-1] + [sizes[-1] // 2]) if sizes else gate_up.type())
+        return out
+
+
+class RowwiseKernels:
+    """RMSNorm and SwiGLU as one specair.ort operator each (compile/kernels/rowwise.h), for `use_rowwise` while
+    exporting graphs that run on specair's kernels; onnx_fusion folds them into the block products they feed."""
+
+    @staticmethod
+    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return _RMSNorm.apply(x, weight, eps) if x.dtype == torch.float32 else rms_norm(x, weight, eps)
+
+    @staticmethod
+    def swiglu(gate_up: Tensor) -> Tensor:
+        return _SwiGLU.apply(gate_up) if gate_up.dtype == torch.float32 else swiglu(gate_up)
+
+
 def filter_kernel(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """The filter for `use_filter` while exporting graphs that run on specair's kernels."""
     return _FilteredProbs.apply(x, top_k, top_p)
 
 
 def torch_export(graph: GraphDef, path: Path, opset: int, *, fold: bool, export_params: bool,
-                  fuse_attention: bool = False, kernel_filter: bool = False) -> None:
+                  fuse_attention: bool = False, kernel_filter: bool = False, kernel_rowwise: bool = False) -> None:
     slots = _cache_slots(graph) if fuse_attention else None
     attention = use_attention(fused_kernel(slots)) if slots is not None else contextlib.nullcontext()
     sampling = use_filter(filter_kernel) if kernel_filter else contextlib.nullcontext()
+    rowwise = use_rowwise(RowwiseKernels) if kernel_rowwise else contextlib.nullcontext()
     with _export_lock, _symbolic_overrides(opset), torch.no_grad(), warnings.catch_warnings(record=True) as caught, \
-            attention, sampling:
+            attention, sampling, rowwise:
         warnings.simplefilter("always")  # recorded, not shown: the legacy exporter's deprecation notices
         try:
             torch.onnx.export(

@@ -29,7 +29,8 @@ from specair.compile.kernels.formats import FORMATS, PackedWeight  # noqa: F401 
 from specair.models.errors import SpecairError
 
 OP, ATTENTION, FILTER, DOMAIN = "MatMulBlocks", "CacheAttention", "FilteredProbs", "specair.ort"
-_SOURCES = ("blocks.h", "blocks.cpp", "exp.h", "attention.h", "attention_simd.inc", "attention.cpp", "sampling.h",
+RMSNORM, SWIGLU = "RMSNorm", "SwiGLU"
+_SOURCES = ("blocks.h", "blocks.cpp", "rowwise.h", "rowwise.cpp", "exp.h", "attention.h", "attention_simd.inc", "attention.cpp", "sampling.h",
             "sampling.cpp", "ort_ops.cpp")
 _HERE = Path(__file__).parent
 _DEBIAN_PACKAGE = "libonnxruntime-dev"

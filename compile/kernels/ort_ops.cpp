@@ -5,7 +5,8 @@
 //     row-independent.
 //   CacheAttention(q, k, v [B, T, *], k_cache, v_cache [B, Hkv, S, D], seqlens_k int32 [B], total int32,
 //                  bias [Bb, 1, T, S]?; num_heads, kv_num_heads, scale) -> out [B, T, H*D], k_present, v_present:
-//     GroupQueryAttention's contract (RoPE applied before), computed row-independently (attention.h).
+//     GroupQueryAttention's contract (RoPE applied before), computed row-independently (attention.h); with
+//     do_rotary, q is the packed q|k|v before RoPE, rotated here by positions [B, T] and cos/sin [P, D/2].
 //   FilteredProbs(x [B, ..., V] float, top_k int64 [B], top_p float [B]) -> probs [B, ..., V]: row b's filters
 //     on each of its rows (sampling.h).
 #define ORT_API_MANUAL_INIT
@@ -18,6 +19,7 @@
 
 #include "attention.h"
 #include "blocks.h"
+#include "rowwise.h"
 #include "sampling.h"
 
 namespace {
@@ -40,12 +42,16 @@ void run_task(void* data, size_t i) {
                         std::min(t.tiles, begin + kTilesPerTask));
 }
 
+enum Prologue { kNone, kRmsNorm, kSwiGlu };
+
 struct BlocksKernel {
   const OrtApi& api;
   int format = -1;
   int64_t K = 0, N = 0;
+  Prologue prologue = kNone;
+  float eps = 0.0f;
   std::vector<int8_t> q8;
-  std::vector<float> scale, sum;
+  std::vector<float> scale, sum, rows;
   std::vector<int32_t> isum;
 
   OrtStatusPtr error(const std::string& what) const {
@@ -57,8 +63,9 @@ struct BlocksKernel {
     const Ort::ConstValue x = ctx.GetInput(0), records = ctx.GetInput(1);
     const specair::FormatInfo& info = specair::format_info(format);
     std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
-    if (shape.empty() || shape.back() != K)
-      return error("x's last dimension must be K = " + std::to_string(K));
+    const int64_t width = prologue == kSwiGlu ? 2 * K : K;
+    if (shape.empty() || shape.back() != width)
+      return error("x's last dimension must be " + std::to_string(width) + (prologue == kSwiGlu ? " (2K)" : " (K)"));
     const int64_t tiles = (N + specair::kTile - 1) / specair::kTile, nb = K / specair::kBlock;
     const uint8_t* super = nullptr;
     if (info.super) {
@@ -74,19 +81,49 @@ struct BlocksKernel {
     int64_t M = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) M *= shape[i];
     shape.back() = N;
+    const float* residual = nullptr;
+    if (ctx.GetInputCount() > 4) {
+      const Ort::ConstValue r = ctx.GetInput(4);
+      if (r) {
+        if (r.GetTensorTypeAndShapeInfo().GetShape() != shape) return error("the residual must have the output's shape");
+        residual = r.GetTensorData<float>();
+      }
+    }
     Ort::UnownedValue y = ctx.GetOutput(0, shape);
     if (M == 0) return nullptr;
+    const float* xf = x.GetTensorData<float>();
+    if (prologue != kNone) {  // each row through RMSNorm or SwiGLU first, as the unfused operator computes it
+      rows.resize(static_cast<size_t>(M * K));
+      const float* w = nullptr;
+      if (prologue == kRmsNorm) {
+        const Ort::ConstValue nw = ctx.GetInputCount() > 3 ? ctx.GetInput(3) : Ort::ConstValue{nullptr};
+        if (!nw || nw.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(K))
+          return error("rmsnorm needs its weight [K]");
+        w = nw.GetTensorData<float>();
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        if (prologue == kRmsNorm)
+          specair::rms_norm_row(xf + m * K, w, eps, K, rows.data() + m * K);
+        else
+          specair::swiglu_row(xf + m * 2 * K, K, rows.data() + m * K);
+      }
+      xf = rows.data();
+    }
     if (!specair::is_float(format)) {
       q8.resize(static_cast<size_t>(M * K));
       scale.resize(static_cast<size_t>(M * nb));
       sum.resize(static_cast<size_t>(M * nb));
       isum.resize(static_cast<size_t>(2 * M * nb));
-      specair::quantize_rows(x.GetTensorData<float>(), M, K, q8.data(), scale.data(), sum.data(), isum.data());
+      specair::quantize_rows(xf, M, K, q8.data(), scale.data(), sum.data(), isum.data());
     }
-    Task task{format, {q8.data(), scale.data(), sum.data(), isum.data()}, x.GetTensorData<float>(), M, K, N, tiles,
-              records.GetTensorData<uint8_t>(), super, y.GetTensorMutableData<float>()};
+    float* out = y.GetTensorMutableData<float>();
+    Task task{format, {q8.data(), scale.data(), sum.data(), isum.data()}, xf, M, K, N, tiles,
+              records.GetTensorData<uint8_t>(), super, out};
     const size_t tasks = static_cast<size_t>((tiles + kTilesPerTask - 1) / kTilesPerTask);
-    return api.KernelContext_ParallelFor(context, run_task, tasks, 0, &task);
+    if (OrtStatusPtr s = api.KernelContext_ParallelFor(context, run_task, tasks, 0, &task)) return s;
+    if (residual)
+      for (int64_t i = 0; i < M * N; ++i) out[i] = residual[i] + out[i];
+    return nullptr;
   }
 };
 
@@ -103,6 +140,17 @@ struct BlocksOp : Ort::CustomOpBase<BlocksOp, BlocksKernel, true> {
       delete k;
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string("specair MatMulBlocks: unknown format ") + name).c_str());
     }
+    char pro[16] = {0};
+    size = sizeof pro;
+    if (auto* s = api.KernelInfoGetAttribute_string(info, "prologue", pro, &size)) {
+      api.ReleaseStatus(s);  // optional: none
+    } else if (std::string(pro) == "rmsnorm" || std::string(pro) == "swiglu") {
+      k->prologue = std::string(pro) == "rmsnorm" ? kRmsNorm : kSwiGlu;
+    } else if (std::string(pro) != "none") {
+      delete k;
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string("specair MatMulBlocks: unknown prologue ") + pro).c_str());
+    }
+    if (auto* s = api.KernelInfoGetAttribute_float(info, "epsilon", &k->eps)) api.ReleaseStatus(s);
     const int64_t step = specair::format_info(k->format).super ? specair::kBlock * specair::kSuper : specair::kBlock;
     if (k->K <= 0 || k->K % step || k->N <= 0) {
       delete k;
@@ -114,13 +162,66 @@ struct BlocksOp : Ort::CustomOpBase<BlocksOp, BlocksKernel, true> {
   }
   const char* GetName() const { return "MatMulBlocks"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 3; }
+  // x, records, super (K-quants), the prologue's RMSNorm weight, a residual added to the output
+  size_t GetInputTypeCount() const { return 5; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+    return i == 1 || i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
-    return i == 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return i >= 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+struct RowsKernel {
+  const OrtApi& api;
+  bool glu = false;
+  float eps = 0.0f;
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    const Ort::ConstValue x = ctx.GetInput(0);
+    std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
+    const char* name = glu ? "specair SwiGLU: " : "specair RMSNorm: ";
+    if (shape.empty() || (glu && shape.back() % 2))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string(name) + "bad input shape").c_str());
+    const int64_t in = shape.back(), out_w = glu ? in / 2 : in;
+    int64_t M = 1;
+    for (size_t i = 0; i + 1 < shape.size(); ++i) M *= shape[i];
+    const float* w = nullptr;
+    if (!glu) {
+      const Ort::ConstValue weight = ctx.GetInput(1);
+      if (weight.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(in))
+        return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string(name) + "the weight must match the last dimension").c_str());
+      w = weight.GetTensorData<float>();
+    }
+    shape.back() = out_w;
+    float* out = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
+    const float* xf = x.GetTensorData<float>();
+    for (int64_t m = 0; m < M; ++m) {
+      if (glu)
+        specair::swiglu_row(xf + m * in, out_w, out + m * out_w);
+      else
+        specair::rms_norm_row(xf + m * in, w, eps, in, out + m * in);
+    }
+    return nullptr;
+  }
+};
+
+template <bool kGlu>
+struct RowsOp : Ort::CustomOpBase<RowsOp<kGlu>, RowsKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    auto* k = new RowsKernel{api, kGlu};
+    if (!kGlu)
+      if (auto* s = api.KernelInfoGetAttribute_float(info, "epsilon", &k->eps)) return delete k, s;
+    *kernel = k;
+    return nullptr;
+  }
+  const char* GetName() const { return kGlu ? "SwiGLU" : "RMSNorm"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return kGlu ? 1 : 2; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
@@ -132,8 +233,39 @@ void run_attention(void* data, size_t i) {
 
 struct AttentionKernel {
   const OrtApi& api;
-  int64_t heads = 0, kv_heads = 0;
+  int64_t heads = 0, kv_heads = 0, rotary = 0;
   float scale = 0.0f;
+  std::vector<float> q_rot, k_rot, v_buf;
+
+  // do_rotary: q, k and v come packed in input 0 [B, T, (H + 2 Hkv) * D] before RoPE; rotate q and k (HF's
+  // rotate-half pairs, cos/sin [P, D/2] at positions [B, T]) and unpack v, as RotaryEmbedding and Split would.
+  OrtStatusPtr unpack(Ort::KernelContext& ctx, const Ort::ConstValue& qkv, int64_t B, int64_t T, int64_t D) {
+    const auto pos = ctx.GetInput(8), cos = ctx.GetInput(9), sin = ctx.GetInput(10);
+    if (!pos || !cos || !sin) return error("do_rotary needs positions, cos and sin");
+    const auto ts = cos.GetTensorTypeAndShapeInfo().GetShape();
+    if (ts.size() != 2 || ts[1] * 2 != D || pos.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(B * T))
+      return error("cos/sin must be [P, D/2] and positions [B, T]");
+    const int64_t H = heads, Hkv = kv_heads, W = (H + 2 * Hkv) * D, half = D / 2, P = ts[0];
+    q_rot.resize(static_cast<size_t>(B * T * H * D));
+    k_rot.resize(static_cast<size_t>(B * T * Hkv * D));
+    v_buf.resize(static_cast<size_t>(B * T * Hkv * D));
+    const float *x = qkv.GetTensorData<float>(), *c = cos.GetTensorData<float>(), *sn = sin.GetTensorData<float>();
+    const int64_t* p = pos.GetTensorData<int64_t>();
+    for (int64_t bt = 0; bt < B * T; ++bt) {
+      if (p[bt] < 0 || p[bt] >= P) return error("a position is outside the RoPE tables");
+      const float *cr = c + p[bt] * half, *sr = sn + p[bt] * half, *row = x + bt * W;
+      const auto rotate = [&](const float* src, float* dst) {
+        for (int64_t i = 0; i < half; ++i) {
+          dst[i] = src[i] * cr[i] - src[half + i] * sr[i];
+          dst[half + i] = src[half + i] * cr[i] + src[i] * sr[i];
+        }
+      };
+      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, q_rot.data() + (bt * H + h) * D);
+      for (int64_t h = 0; h < Hkv; ++h) rotate(row + (H + h) * D, k_rot.data() + (bt * Hkv + h) * D);
+      std::copy(row + (H + Hkv) * D, row + W, v_buf.data() + bt * Hkv * D);
+    }
+    return nullptr;
+  }
 
   OrtStatusPtr error(const std::string& what) const {
     return api.CreateStatus(ORT_INVALID_ARGUMENT, ("specair CacheAttention: " + what).c_str());
@@ -141,11 +273,13 @@ struct AttentionKernel {
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
-    const auto q = ctx.GetInput(0), k = ctx.GetInput(1), v = ctx.GetInput(2), kc = ctx.GetInput(3),
-               vc = ctx.GetInput(4), lens = ctx.GetInput(5);
-    const auto qs = q.GetTensorTypeAndShapeInfo().GetShape(), cs = kc.GetTensorTypeAndShapeInfo().GetShape();
-    if (qs.size() != 3 || cs.size() != 4 || cs[1] != kv_heads || qs[2] != heads * cs[3] || cs[0] != qs[0])
-      return error("q must be [B, T, H*D] and the caches [B, Hkv, S, D]");
+    const auto q = ctx.GetInput(0), kc = ctx.GetInput(3), vc = ctx.GetInput(4), lens = ctx.GetInput(5);
+    auto qs = q.GetTensorTypeAndShapeInfo().GetShape();
+    const auto cs = kc.GetTensorTypeAndShapeInfo().GetShape();
+    const int64_t width = rotary ? (heads + 2 * kv_heads) * (cs.size() == 4 ? cs[3] : 0) : heads * (cs.size() == 4 ? cs[3] : 0);
+    if (qs.size() != 3 || cs.size() != 4 || cs[1] != kv_heads || qs[2] != width || cs[0] != qs[0])
+      return error(rotary ? "qkv must be [B, T, (H + 2 Hkv) * D] and the caches [B, Hkv, S, D]"
+                          : "q must be [B, T, H*D] and the caches [B, Hkv, S, D]");
     specair::AttentionArgs a{};
     a.B = qs[0], a.T = qs[1], a.H = heads, a.Hkv = kv_heads, a.D = cs[3], a.S = cs[2], a.scale = scale;
     if (lens.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(a.B))
@@ -153,7 +287,14 @@ struct AttentionKernel {
     a.seqlens = lens.GetTensorData<int32_t>();
     for (int64_t b = 0; b < a.B; ++b)
       if (a.seqlens[b] + 1 < a.T || a.seqlens[b] + 1 > a.S) return error("a row's length is outside its cache");
-    a.q = q.GetTensorData<float>(), a.k = k.GetTensorData<float>(), a.v = v.GetTensorData<float>();
+    if (rotary) {
+      if (OrtStatusPtr s = unpack(ctx, q, a.B, a.T, a.D)) return s;
+      a.q = q_rot.data(), a.k = k_rot.data(), a.v = v_buf.data();
+      qs[2] = heads * a.D;
+    } else {
+      a.q = q.GetTensorData<float>(), a.k = ctx.GetInput(1).GetTensorData<float>();
+      a.v = ctx.GetInput(2).GetTensorData<float>();
+    }
     a.k_cache = kc.GetTensorData<float>(), a.v_cache = vc.GetTensorData<float>();
     if (ctx.GetInputCount() > 7) {
       const auto bias = ctx.GetInput(7);
@@ -178,6 +319,7 @@ struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
     if (auto* s = api.KernelInfoGetAttribute_int64(info, "num_heads", &k->heads)) return delete k, s;
     if (auto* s = api.KernelInfoGetAttribute_int64(info, "kv_num_heads", &k->kv_heads)) return delete k, s;
     if (auto* s = api.KernelInfoGetAttribute_float(info, "scale", &k->scale)) return delete k, s;
+    if (auto* s = api.KernelInfoGetAttribute_int64(info, "do_rotary", &k->rotary)) api.ReleaseStatus(s);
     if (k->heads <= 0 || k->kv_heads <= 0 || k->heads % k->kv_heads) {
       delete k;
       return api.CreateStatus(ORT_INVALID_ARGUMENT, "specair CacheAttention: num_heads must be a multiple of "
@@ -188,12 +330,15 @@ struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
   }
   const char* GetName() const { return "CacheAttention"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 8; }
+  // q, k, v, k_cache, v_cache, seqlens_k, total, attention_bias; with do_rotary q is the packed q|k|v (k and
+  // v empty) and positions, cos and sin follow
+  size_t GetInputTypeCount() const { return 11; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 5 || i == 6 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return i == 5 || i == 6 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
+         : i == 8           ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
-    return i == 7 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return i == 1 || i == 2 || i >= 7 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 3; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
@@ -271,6 +416,8 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   static BlocksOp op;
   static AttentionOp attention;
   static FilterOp filter;
+  static RowsOp<false> norm;
+  static RowsOp<true> glu;
   static Ort::CustomOpDomain* domain = nullptr;
   std::call_once(once, [base] {
     Ort::InitApi(base->GetApi(ORT_API_VERSION));
@@ -278,6 +425,8 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
     domain->Add(&op);
     domain->Add(&attention);
     domain->Add(&filter);
+    domain->Add(&norm);
+    domain->Add(&glu);
   });
   return Ort::GetApi().AddCustomOpDomain(options, *domain);
 }
