@@ -16,6 +16,7 @@ bench's own results.md/json) and ladder.md, ladder.json, ladder-tokens-per-s.png
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import math
 import os
@@ -196,15 +197,14 @@ def prepare(rung: Rung, cache: Path, threads: int) -> RungFiles:
     else:
         hf = write_random_checkpoint(rung, d / "hf")
         model = str(hf)
-        q4_1 = None
-    need = [q4_1 is None, not (d / "model-Q4_K_M.gguf").is_file()]
-    if any(need):
+        q4_1 = d / "model-Q4_1.gguf" if (d / "model-Q4_1.gguf").is_file() else None
+    if q4_1 is None or not (d / "model-Q4_K_M.gguf").is_file():
         _log(f"ladder: making {rung.label}'s GGUF files with llama.cpp's converter and quantizer")
         float_gguf = convert(hf, d / "model-float.gguf", cache, "f32" if rung.real else "bf16")
         q4_1 = q4_1 or quantize(float_gguf, d / "model-Q4_1.gguf", "Q4_1", threads)
         quantize(float_gguf, d / "model-Q4_K_M.gguf", "Q4_K_M", threads)
         float_gguf.unlink()  # only the quantized files are measured
-    return RungFiles(hf, model, Path(q4_1 or d / "model-Q4_1.gguf"), d / "model-Q4_K_M.gguf")
+    return RungFiles(hf, model, Path(q4_1), d / "model-Q4_K_M.gguf")
 
 
 # ------------------------------------------------------------------------------------------------- runs
@@ -223,7 +223,7 @@ def run_ladder(opts: Any, rung_names: list[str] | None = None) -> dict[str, Any]
                          f"{', '.join(r.name for r in RUNGS)}")
     threads = opts.threads or 2
     out = Path(opts.out)
-    rows = []
+    rows, environment = [], None
     for rung in rungs:
         files = prepare(rung, cache_dir(), threads)
         configs = [{"speculative_config": None, "backend": "auto", "name": DEFAULTS},
@@ -235,8 +235,11 @@ def run_ladder(opts: Any, rung_names: list[str] | None = None) -> dict[str, Any]
         _log(f"ladder: {rung_title(rung)}")
         report = run_bench(sub)
         rows.append(rung_row(rung, files, report))
+        environment = report["environment"]
+        del report
+        gc.collect()  # this rung's engines and peers go before the next rung's load
     ladder = {"command": opts.command, "rungs": rows, "threads": threads,
-              "environment": report["environment"] if rows else None}
+              "environment": environment if rows else None}
     out.mkdir(parents=True, exist_ok=True)
     (out / "ladder.json").write_text(json.dumps(ladder, indent=2) + "\n")
     (out / "ladder.md").write_text(ladder_markdown(ladder))

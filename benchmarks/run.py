@@ -561,9 +561,10 @@ def _resolve_peer_weights(opts: BenchOptions) -> tuple[str | None, str | None, l
         if gguf is None and opts.model.endswith(".gguf"):
             gguf = opts.model
     if gguf:
-        notes.append(f"llama.cpp runs {Path(gguf).name} in its own quantized encoding (for the default model, "
-                     "Q4_1 arithmetic), while specair and transformers run the same weights dequantized to "
-                     f"{opts.dtype}: the same weights, different arithmetic, so its outputs may differ.")
+        notes.append(f"llama.cpp runs {Path(gguf).name} with its own kernels, specair's int4 path reads the same "
+                     "blocks with its own (int8 activations per block of 32 against llama.cpp's per-format choice), "
+                     "and transformers the weights dequantized to float: the same weights, different arithmetic, so "
+                     "outputs may differ.")
     return hf_dir, gguf, notes
 
 

@@ -174,25 +174,38 @@ def _as_arrays(qs: Tensor, d: Tensor, m: Tensor) -> tuple[np.ndarray, np.ndarray
     return qs.to(torch.uint8).reshape(qs.shape[0], -1).numpy(), d.half().numpy(), m.half().numpy()
 
 
+_ROUND_ROWS = 4096  # rows rounded at a time: the rounding works in float64 (2 GiB for a 151936 x 2048 table)
+
+
+def _q4_1(w: Tensor, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """w rounded onto Q4_1 blocks as llama.cpp quantizes to Q4_1 (q [N, K] uint8, d and m [N, K/block]
+    float16), and whether every block already was exactly d*q + m (a GGUF Q4_1 block as the loader
+    dequantized it from float16 d and m, up to float32's rounding of d*q + m), a chunk of rows at a time."""
+    qs, ds, ms, exact = [], [], [], True
+    for r0 in range(0, w.shape[0], _ROUND_ROWS):
+        b, q, d, m = _q4_1_rounding(w[r0:r0 + _ROUND_ROWS], block)
+        if exact:
+            err = (q * d[..., None] + m[..., None] - b).abs()
+            exact = bool((err <= 4 * torch.finfo(torch.float32).eps * (m.abs() + 15 * d)[..., None]).all())
+        for out, a in zip((qs, ds, ms), _as_arrays(q, d, m)):
+            out.append(a)
+    return np.concatenate(qs), np.concatenate(ds), np.concatenate(ms), exact
+
+
 def q4_1_blocks(w: Tensor, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """If every block of `block` weights along K is exactly d*q + m with q in 0..15 (a GGUF Q4_1 block, as
     the loader dequantized it from float16 d and m), return q [N, K] uint8, d and m [N, K/block] float16;
     else None."""
     if w.shape[1] % block:
         return None
-    b, qs, d, m = _q4_1_rounding(w, block)
-    # Exact up to the float32 rounding of the loader's own d*q + m.
-    err = (qs * d[..., None] + m[..., None] - b).abs()
-    scale = (m.abs() + 15 * d)[..., None]
-    if not bool((err <= 4 * torch.finfo(torch.float32).eps * scale).all()):
-        return None
-    return _as_arrays(qs, d, m)
+    qs, d, m, exact = _q4_1(w, block)
+    return (qs, d, m) if exact else None
 
 
 def round_to_q4_1(w: Tensor, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """w rounded onto Q4_1 blocks as llama.cpp quantizes to Q4_1: q [N, K] uint8, d and m [N, K/block]
     float16."""
-    return _as_arrays(*_q4_1_rounding(w, block)[1:])
+    return _q4_1(w, block)[:3]
 
 
 def _blocks_template(parts: list[PackedWeight]) -> _Template:
@@ -288,12 +301,12 @@ def _template(q: Quantization, w: Tensor) -> _Template:
         parts = _packed_parts(w)
         if parts is not None:
             return _blocks_template(parts)
-    if q.bits == 4 and not q.symmetric:
-        blocks = q4_1_blocks(w, q.block_size)
-        if blocks is None and q.kernel == kernels.OP and w.shape[1] % q.block_size == 0:
-            blocks = round_to_q4_1(w, q.block_size)  # e.g. a tied LM head whose table is not Q4_1
-        if blocks is not None:
-            return _q4_1_template(q, blocks)
+    if q.bits == 4 and not q.symmetric and w.shape[1] % q.block_size == 0:
+        *blocks, exact = _q4_1(w, q.block_size)
+        # specair's kernel takes the rounding of any weight (a float checkpoint's); the tool's path only exact
+        # Q4_1 blocks (it requantizes others itself)
+        if exact or q.kernel == kernels.OP:
+            return _q4_1_template(q, tuple(blocks))
     w32 = w.detach().to(torch.float32)
     N, K = w32.shape
     rows = max(1, min(N, _CHUNK_BYTES // (4 * K)))
@@ -343,6 +356,10 @@ class WeightQuantizer:
         if key not in self._done:
             self._done[key] = (w, _template(self.q, w))
         return self._done[key][1]
+
+    def forget(self) -> None:
+        """Drop every weight's result (and the reference to the weight it holds)."""
+        self._done.clear()
 
     def rewrite(self, model, tensors: dict[str, Tensor]) -> dict[str, np.ndarray]:
         """Replace every `MatMul(x, Transpose(W, perm=[1, 0]))` reading a 2-D module weight by the quantized

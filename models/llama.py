@@ -495,6 +495,21 @@ def _attach_stored(model: Transformer, stored: dict[str, Any]) -> None:
         attach(model.output.weight, ["lm_head.weight" if "lm_head.weight" in stored else "model.embed_tokens.weight"])
 
 
+def release_linear_weights(model: nn.Module) -> int:
+    """Replace the weight of every nn.Linear under `model` by a placeholder of its shape that holds no memory (a
+    zero-stride view of one zero): for a model whose linear layers only compiled graphs read, from their own
+    copies (specair's int4 kernels). Embeddings stay (a lookup reads the table). Returns the bytes freed."""
+    freed, seen = 0, set()
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and id(m.weight) not in seen and m.weight.stride() != (0, 0):
+            w = m.weight
+            freed += w.numel() * w.element_size()
+            m.weight = nn.Parameter(torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape),
+                                    requires_grad=False)
+            seen.add(id(m.weight))
+    return freed
+
+
 def with_features(model: Transformer, layers: tuple[int, ...], final: bool = False) -> Transformer:
     """The model, sharing its weights, with `ModelOutput.hidden` replaced by the inputs of `layers` (the
     residual stream before each of them), concatenated in that order: the low/middle/high features an

@@ -226,3 +226,23 @@ def test_unknown_and_undequantizable_types_are_one_clear_line(tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(ModelFormatError, match="type 250, which neither gguf nor specair knows"):
         load_checkpoint(tmp_path / "bad.gguf", progress=False)
+
+
+def test_auto_runs_the_file_as_stored_and_keeps_no_float_copy_of_it(quantized_gguf, tmp_path, monkeypatch):
+    """`LLM(file)` with no other flag: the block kernels over the file's weights (the same tokens as building
+    that path by hand), and once its graphs are open no float copy of a linear weight is left in memory."""
+    from specair.runtime.build import engine_from_models
+    from specair.runtime.llm import LLM
+    from specair.runtime.params import SamplingParams
+
+    monkeypatch.setenv("SPECAIR_CACHE", str(tmp_path))
+    path = quantized_gguf[0]
+    prompt, params = list(range(3, 30, 2)), SamplingParams(max_tokens=12, ignore_eos=True)
+    by_hand = LLM.from_engine(engine_from_models(_model(path), max_context=64, variants=("greedy",), backend="onnx",
+                                                 quantize="int4")).generate(prompt, params)[0].token_ids
+    llm = LLM(str(path), "none", max_context=64, batch_buckets=(1,))
+    assert llm.generate(prompt, params)[0].token_ids == by_hand
+    target = llm.engine.target
+    linears = [m.weight for m in target.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(w.stride() == (0, 0) for w in linears)
+    assert target.tok_embeddings.weight.stride() != (0, 0)  # the lookup's table stays

@@ -477,3 +477,18 @@ def test_hf_dir_errors(tmp_path):
         load_checkpoint(d)
     with pytest.raises(ModelFormatError, match="pass the directory"):
         load_checkpoint(tmp_path / "cut" / "model.safetensors")
+
+
+def test_a_checkpoint_too_large_for_memory_is_one_line_before_anything_is_built(tmp_path, monkeypatch):
+    from specair.models import checkpoint
+    from specair.runtime.build import open_engine
+
+    cfg = tiny_config()
+    write_gguf(tmp_path / "m.gguf", cfg, random_state(cfg), Q.Q8_0)
+    monkeypatch.setenv("SPECAIR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(checkpoint, "available_memory", lambda: 10_000)
+    with pytest.raises(ModelFormatError, match=r"m\.gguf: 0\.00B parameters need about .* GiB of memory .* has "
+                                               r"0\.0 GiB available") as e:
+        open_engine(str(tmp_path / "m.gguf"), backend="auto")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "cache" / "artifacts").exists()

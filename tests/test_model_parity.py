@@ -71,3 +71,18 @@ def test_feature_view_equals_transformers_hidden_states(tmp_path):
     assert (out.hidden - want).abs().max().item() <= 1e-4
     assert (out.logits - ref.logits).abs().max().item() <= 1e-4  # logits unchanged
     assert view.layers is model.layers and with_features(view, (0, 2, 3)) is view
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama3-tied-bias", "qwen2"])
+def test_defaults_give_transformers_greedy_output(kind, tmp_path, monkeypatch):
+    """What a user runs with no flags but the model (`LLM(dir)`: `--backend auto`, a toy model's float32 onnx
+    graphs on specair's kernels, n-gram speculation where that cannot change the output) generates
+    transformers' greedy tokens."""
+    monkeypatch.setenv("SPECAIR_CACHE", str(tmp_path / "cache"))
+    hf = save_tiny(kind, tmp_path / "m", max_position_embeddings=256)
+    llm = LLM(str(tmp_path / "m"), max_context=128, batch_buckets=(1,))
+    prompt = torch.randint(0, 256, (1, 29), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf.generate(prompt, max_new_tokens=48, do_sample=False, eos_token_id=None, pad_token_id=0)
+    res = llm.generate(prompt[0].tolist(), SamplingParams(max_tokens=48, ignore_eos=True))[0]
+    assert res.token_ids == ref[0, 29:].tolist()

@@ -197,7 +197,8 @@ def test_q4_1_weights_are_read_back_exactly_and_beat_a_second_rounding(model, pr
     assert ops.count("MatMulNBits") + q4_1 == N_LINEAR
     # specair's kernel reads every layer's Q4_1 weights (and the tied head's table rounded onto Q4_1 blocks)
     assert q4_1 == (N_LINEAR if kernels.enabled() else 0)
-    monkeypatch.setattr(quantize, "q4_1_blocks", lambda w, block=32: None)  # the tool's asymmetric rounding
+    rounding = quantize._q4_1  # the tool's asymmetric rounding: no weight counts as Q4_1 blocks
+    monkeypatch.setattr(quantize, "_q4_1", lambda w, block: (*rounding(w, block)[:3], False))
     monkeypatch.setattr(kernels, "enabled", lambda: False)
     again = OnnxBackend(threads=1, quantize="int4").compile(graph, tmp_path / "tool")(*prefill_inputs)[0]
     assert rel(exact) < rel(again)

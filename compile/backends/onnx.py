@@ -260,6 +260,17 @@ class OnnxBackend(Backend):
             for name in (WEIGHTS_FILE, WEIGHTS_INDEX):
                 (art_dir / name).unlink(missing_ok=True)
 
+    def end(self, art_dir: Path) -> None:
+        """After a build: the quantizer's per-weight results go (every graph has its packed weights, and
+        loaded sessions hold them from the weights file), and with them its references to float weights."""
+        if self._quantizer is not None:
+            self._quantizer.forget()
+
+    @property
+    def reads_own_weights(self) -> bool:
+        """Whether its graphs read every linear layer from their own quantized copies, not the module's."""
+        return self._quantizer is not None and self.kernels and self.quantization.kernel == kernels.OP
+
     # ---------------------------------------------------------------------------------- compile
 
     def compile(self, graph: GraphDef, art_dir: Path) -> CompiledGraph:

@@ -72,6 +72,7 @@ class WeightStore:
         # data_ptr from being reused by another tensor, so (data_ptr, shape, dtype) identifies it.
         self._verified: dict[str, tuple[Tensor, int]] = {}
         self._by_ptr: dict[tuple, str] = {}
+        self._arrays: dict[str, Any] = {}  # name -> the numpy array stored or verified under it by this process
         self._dirty = False
 
     @staticmethod
@@ -96,6 +97,9 @@ class WeightStore:
                 self._dirty = True
                 return self.entries[name]
             array = to_numpy(tensor)
+        elif name in self.entries and self._arrays.get(name) is array:  # this very array, stored for a graph before
+            return self.entries[name]
+        source = array
         array = np.ascontiguousarray(array)
         entry = {"dtype": str(array.dtype), "shape": list(array.shape),
                  "sha256": hashlib.sha256(memoryview(array).cast("B")).hexdigest()}
@@ -120,6 +124,8 @@ class WeightStore:
         if tensor is not None:
             self._verified[name] = (tensor, _version(tensor))
             self._by_ptr[ptr_key] = name
+        else:  # arrays (quantized weights) are made once per process and never change: hashed once
+            self._arrays[name] = source
         return self.entries[name]
 
     def flush(self) -> None:
