@@ -262,7 +262,7 @@ def markdown_report(report: dict[str, Any]) -> str:
              markdown_table(s), ""]
     if bw:
         lines += [f"Bandwidth floor: {bw['weight_bytes_per_token'] / 1e6:.0f} MB of weights read per token / "
-                  f"{bw['read_bandwidth_GB_s']:.1f} GB/s measured read bandwidth = "
+                  f"{bw['read_bandwidth_GB_s']:.1f} GB/s read bandwidth (median of readings through the run) = "
                   f"{bw['floor_tokens_per_s']:.1f} tok/s ({bw['floor_ms_per_token']:.1f} ms per token)"
                   + (f"; the reference autoregressive decode runs at {bw['reference_decode_tokens_per_s']:.1f} "
                      f"tok/s, {bw['floor_over_reference']:.2f}× the floor's time per token"
