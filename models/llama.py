@@ -9,11 +9,13 @@ rejected draft never touches the cache, and attention never copies the cache.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
@@ -506,6 +508,9 @@ def release_linear_weights(model: nn.Module) -> int:
             freed += w.numel() * w.element_size()
             m.weight = nn.Parameter(torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape),
                                     requires_grad=False)
+            parts = getattr(w, GGUF_PARTS, None)
+            if parts:  # what the weight is stored as stays known (its bytes per token), not its rows
+                setattr(m.weight, GGUF_PARTS, [dataclasses.replace(p, raw=np.empty(0, np.uint8)) for p in parts])
             seen.add(id(m.weight))
     return freed
 

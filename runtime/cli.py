@@ -173,13 +173,15 @@ def _sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--backend", default="auto",
-                   help="auto (default): the fastest configuration here (onnxruntime, the default model's weights as "
-                        "exact int4), compiled ahead of time into specair's cache on first use and loaded afterwards; "
+                   help="auto (default): the fastest configuration here (onnxruntime on specair's kernels, a GGUF "
+                        "file's weights read as stored), compiled ahead of time into specair's cache on first use and loaded afterwards; "
                         "or eager, inductor, aoti, onnx, cuda, npu: graphs compiled as they are first needed")
     p.add_argument("--device", help="where models, caches and graph inputs live (default: the backend's device: cpu, cuda for the cuda backend, npu for npu)")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES,
-                   help="onnx: weight-only quantization of every linear layer (int4: MatMulNBits blocks of 32 like "
-                        "GGUF Q4_1; int8: 8-bit blocks of 32 like Q8_0); default none, or what --artifacts hold")
+                   help="onnx: weight-only quantization of every linear layer (int4: specair's block kernels, a GGUF "
+                        "file's weights as stored and float weights rounded onto Q4_1 blocks of 32; int8: 8-bit "
+                        "blocks of 32 like Q8_0); default: auto's choice (int4 for quantized GGUF files and float "
+                        "checkpoints of 100M+ parameters), none, or what --artifacts hold")
     p.add_argument("--artifacts", metavar="DIR", help="run from a `specair compile` directory, compiling nothing")
 
 

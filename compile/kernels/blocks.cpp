@@ -213,11 +213,13 @@ SPECAIR_AVX512 inline void codes512(const uint8_t* w, __m512i* lo, __m512i* hi) 
       hi[g] = _mm512_xor_si512(_mm512_loadu_si512(w + 256 + 64 * g), flip);
     }
   } else {
-    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8(static_cast<char>(0xF0));
     for (int g = 0; g < 4; ++g) {
       const __m512i v = _mm512_loadu_si512(w + 64 * g);
       lo[g] = _mm512_and_si512(v, low);
-      hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      // 4-bit codes: the high nibbles stay in place, 16x the code (the dot product is shifted back, exactly);
+      // one operation fewer per vector
+      hi[g] = bits == 4 ? _mm512_and_si512(v, high) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
     if constexpr (bits == 5) {  // bit g (low half) and 4+g (high half) of each byte, moved to bit 4
       const __m512i h = _mm512_loadu_si512(w + 256), b4 = _mm512_set1_epi8(0x10);
@@ -309,6 +311,7 @@ SPECAIR_AVX512 void tiles_avx512(const Q8Rows& x, int64_t M, int64_t K, int64_t 
             s0 = _mm512_dpbusd_epi32(s0, lo[g], _mm512_set1_epi32(xq[g]));
             s1 = _mm512_dpbusd_epi32(s1, hi[g], _mm512_set1_epi32(xq[4 + g]));
           }
+          if constexpr (T::bits == 4) s1 = _mm512_srai_epi32(s1, 4);  // an exact multiple of 16 (codes512)
           const int64_t rb = (r0 + r) * nb + b;
           if constexpr (offset != 0) {
             s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(offset * x.isum[2 * rb]));
