@@ -301,36 +301,34 @@ def plot_ladder(ladder: dict[str, Any], out: Path) -> list[Path]:
     rows = ladder["rungs"]
     labels = [r["label"].replace(" (", "\n(") for r in rows]
     names = list(dict.fromkeys(n for r in rows for n in r["entries"]))
-    paths = []
-    fig, ax = plt.subplots(figsize=(max(7, 2.4 * len(rows)), 4.5))
     width = 0.8 / max(1, len(names))
-    for i, n in enumerate(names):
-        vals = [r["entries"].get(n, {}).get("decode_tokens_per_s") or 0 for r in rows]
-        ax.bar([x + i * width for x in range(len(rows))], vals, width, label=n)
-    ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(rows))], labels, fontsize=8)
-    ax.set_ylabel("decode tokens/s (batch 1, greedy)")
-    ax.set_yscale("log")
-    ax.set_title("Plain decoding by model size")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "ladder-tokens-per-s.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(max(7, 2.4 * len(rows)), 4.5))
-    for n, marker in ((DEFAULTS, "o"), (Q4KM, "s")):
-        ms = [r["entries"].get(n, {}).get("tpot_ms") for r in rows]
-        fl = [r["entries"].get(n, {}).get("floor_ms_per_token") for r in rows]
-        ax.plot(range(len(rows)), [m or math.nan for m in ms], marker=marker, label=f"{n}: decode step")
-        ax.plot(range(len(rows)), [m or math.nan for m in fl], marker=marker, linestyle="--",
-                label=f"{n}: bandwidth floor")
-    ax.set_xticks(range(len(rows)), labels, fontsize=8)
-    ax.set_ylabel("ms per token")
-    ax.set_yscale("log")
-    ax.set_title("specair's decode step against the time to read its weights once")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "ladder-decode-vs-floor.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    def bars(ax: Any) -> None:
+        for i, n in enumerate(names):
+            vals = [r["entries"].get(n, {}).get("decode_tokens_per_s") or 0 for r in rows]
+            ax.bar([x + i * width for x in range(len(rows))], vals, width, label=n)
+        ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(rows))], labels, fontsize=8)
+
+    def floors(ax: Any) -> None:
+        for n, marker in ((DEFAULTS, "o"), (Q4KM, "s")):
+            for key, style, what in (("tpot_ms", "-", "decode step"), ("floor_ms_per_token", "--", "bandwidth floor")):
+                vals = [r["entries"].get(n, {}).get(key) or math.nan for r in rows]
+                ax.plot(range(len(rows)), vals, marker=marker, linestyle=style, label=f"{n}: {what}")
+        ax.set_xticks(range(len(rows)), labels, fontsize=8)
+
+    paths = []
+    for name, draw, ylabel, title in (
+            ("ladder-tokens-per-s.png", bars, "decode tokens/s (batch 1, greedy)", "Plain decoding by model size"),
+            ("ladder-decode-vs-floor.png", floors, "ms per token",
+             "specair's decode step against the time to read its weights once")):
+        fig, ax = plt.subplots(figsize=(max(7, 2.4 * len(rows)), 4.5))
+        draw(ax)
+        ax.set_ylabel(ylabel)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     return paths

@@ -53,3 +53,35 @@ def to_q4_1(w: torch.Tensor) -> torch.Tensor:
     d = ((b.amax(-1) - m) / 15).half().float()
     q = ((b - m[..., None]) / d[..., None]).round().clamp(0, 15)
     return (q * d[..., None] + m[..., None]).reshape(N, K)
+
+
+GGUF_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+              "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(name: str) -> str:
+    """llama.cpp's tensor name for an HF one."""
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if name in top:
+        return top[name]
+    _, _, layer, rest = name.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{GGUF_BLOCK[module]}.{suffix}"
+
+
+def gguf_writer(path, cfg):
+    """A gguf.GGUFWriter at `path` holding the metadata of a specair ModelConfig `cfg`, as llama.cpp writes it."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch=cfg.model_type)
+    for key, value in dict(block_count=cfg.num_layers, context_length=cfg.max_position_embeddings,
+                           embedding_length=cfg.hidden_size, feed_forward_length=cfg.intermediate_size,
+                           head_count=cfg.num_heads, head_count_kv=cfg.num_kv_heads, rope_freq_base=cfg.rope_theta,
+                           layer_norm_rms_eps=cfg.rms_norm_eps, rope_dimension_count=cfg.head_dim,
+                           key_length=cfg.head_dim, value_length=cfg.head_dim, vocab_size=cfg.vocab_size,
+                           bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_ids[0]).items():
+        getattr(w, f"add_{key}")(value)
+    return w

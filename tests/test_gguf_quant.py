@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from helpers import gguf_name, gguf_writer
 
 from specair.compile import kernels
 from specair.compile.kernels import formats
@@ -63,38 +64,11 @@ def to_interleaved(raw: np.ndarray, heads: int) -> np.ndarray:
     return raw.reshape(heads, 2, raw.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(raw.shape)
 
 
-def gguf_name(name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    if name in top:
-        return top[name]
-    blk = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-           "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    _, _, layer, rest = name.split(".", 3)
-    module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{blk[module]}.{suffix}"
-
-
 def write_quantized_gguf(path, cfg: ModelConfig, types=TYPES, head=HEAD, seed=0) -> dict[str, tuple[str, np.ndarray]]:
     """A GGUF file of `cfg` with every 2-D weight of the type `types` names (per layer, per projection), the tied
     embedding table `head`; returns each weight's (type, rows in HF order)."""
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), arch=cfg.model_type)
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_ids[0])
+    w = gguf_writer(path, cfg)
     written = {}
     for name, shape in expected_shapes(cfg).items():
         if len(shape) == 1:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from helpers import gguf_name, gguf_writer
 from safetensors.torch import save_file
 
 from specair.models.checkpoint import expected_shapes, load_checkpoint, load_hf_dir
@@ -38,22 +39,6 @@ def to_interleaved(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-GGUF_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-              "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
-
-def gguf_name(name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    if name in top:
-        return top[name]
-    _, _, layer, rest = name.split(".", 3)
-    module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{GGUF_BLOCK[module]}.{suffix}"
-
-
 def quant_round_trip(arr: np.ndarray, qtype: Q) -> np.ndarray:
     """What a weight becomes after writing it as `qtype` (per-row blocks, so row permutations commute with it)."""
     if qtype == Q.F32 or arr.ndim == 1:
@@ -65,21 +50,7 @@ def quant_round_trip(arr: np.ndarray, qtype: Q) -> np.ndarray:
 
 def write_gguf(path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qtype: Q = Q.F32) -> None:
     arch = cfg.model_type
-    w = gguf.GGUFWriter(str(path), arch=arch)
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_ids[0])
+    w = gguf_writer(path, cfg)
     for name, t in sd.items():
         arr = t.numpy().astype(np.float32)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
