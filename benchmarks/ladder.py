@@ -251,12 +251,17 @@ def run_ladder(opts: Any, rung_names: list[str] | None = None) -> dict[str, Any]
 def rung_row(rung: Rung, files: RungFiles, report: dict[str, Any]) -> dict[str, Any]:
     """One rung's figures: decode tok/s and ms per token of every entry, its floor, and the ratios."""
     summary, floor = report["summary"], report["bandwidth_floor"]
+    # llama.cpp's rows by the file's type, so that rungs line up (the 135M rung's Q4_1 file has its own name)
+    by_type = {f"({files.q4_1.name})": "(Q4_1)", f"({files.q4_k_m.name})": "(Q4_K_M)"}
     entries = {}
     for name, m in summary.items():
-        entries[name] = {"engine": m["engine"], "decode_tokens_per_s": m["decode_tokens_per_s"],
+        label = name
+        for old, new in by_type.items():
+            label = label.replace(old, new) if m["engine"] == "llama.cpp" else label
+        entries[label] = {"engine": m["engine"], "decode_tokens_per_s": m["decode_tokens_per_s"],
                          "tokens_per_s": m["tokens_per_s"], "tpot_ms": m.get("tpot_ms"),
                          "floor_ms_per_token": floor.get("floor_ms_per_token_of", {}).get(name),
-                         "bytes_per_token": floor.get("bytes_per_token", {}).get(name)}
+                         "bytes_per_token": floor.get("bytes_per_token", {}).get(name), "bench_name": name}
     peers = {n: e["decode_tokens_per_s"] for n, e in entries.items() if e["engine"] != "specair"}
     best_peer = max(peers, key=lambda n: peers[n] or 0, default=None)
     row: dict[str, Any] = {"rung": rung.name, "label": rung_title(rung), "real_weights": rung.real,
