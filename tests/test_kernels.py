@@ -176,7 +176,7 @@ def test_blocks_refuse_activations_of_another_width_and_a_short_layout():
     inits = [numpy_helper.from_array(w.records, "r"), numpy_helper.from_array(w.super, "s")]
     s = _session([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None])],
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])], inits)
-    with pytest.raises(Exception, match="must be 256 \(K\)"):
+    with pytest.raises(Exception, match=r"must be 256 \(K\)"):
         s.run(None, {"x": np.zeros((1, 288), np.float32)})
     s = _session([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 256])],
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])],
