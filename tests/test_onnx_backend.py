@@ -10,7 +10,9 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import save_tiny
@@ -24,6 +26,7 @@ from specair.compile.backends.base import BackendUnavailable
 from specair.compile.backends.onnx import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX,
+    HugePageArena,
     OnnxArtifactError,
     OnnxBackend,
     OnnxExportError,
@@ -580,3 +583,39 @@ def test_a_new_build_replaces_the_weights_of_an_old_one(model, tmp_path):
     meta = GraphDef(graph.key, GraphModule(prefill_chunk, {"target": ghost}, {"ctx": 64}), graph.example_inputs,
                     graph.input_names, graph.output_names)
     assert_same(OnnxBackend(threads=1).load(meta, tmp_path)(*graph.example_inputs), graph.eager(*graph.example_inputs))
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_weights_read_into_huge_pages_hold_the_files_bytes(tmp_path):
+    """The arena returns the stored bytes, 64-byte aligned, packed into a chunk that starts on a 2 MiB boundary,
+    and (where the kernel grants huge pages on madvise) backed by them."""
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 255, 3 << 20, dtype=np.uint8), rng.standard_normal((100, 7)).astype(np.float32)
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"x" * 64 + a.tobytes() + b.tobytes())
+    arena = HugePageArena(chunk=8 << 20)
+    ra = arena.read(path, 64, np.uint8, a.shape)
+    rb = arena.read(path, 64 + a.nbytes, np.float32, b.shape)
+    np.testing.assert_array_equal(ra, a)
+    np.testing.assert_array_equal(rb, b)
+    assert ra.ctypes.data % (2 << 20) == 0 and rb.ctypes.data % 64 == 0
+    assert rb.ctypes.data - ra.ctypes.data == a.nbytes  # packed: one huge page is not spent per tensor
+    with pytest.raises(OnnxArtifactError, match="ends before"):
+        arena.read(path, 64, np.uint8, (a.nbytes + b.nbytes + 1,))
+    thp = Path("/sys/kernel/mm/transparent_hugepage")
+    settings = [(thp / f).read_text() if (thp / f).exists() else "" for f in ("enabled", "defrag")]
+    if "[never]" in settings[0] or not any(f"[{d}]" in settings[1] for d in ("always", "madvise", "defer+madvise")):
+        pytest.skip(f"this kernel does not grant huge pages on madvise (THP: {settings})")
+    assert _anon_huge_kb(ra.ctypes.data) >= 2048

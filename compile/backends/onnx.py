@@ -32,6 +32,7 @@ call at a time per graph (a lock guards the binding).
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -44,8 +45,9 @@ from specair.compile.backends.onnx_attention import IN_PLACE, PRESENT, lower_fus
 from specair.compile.backends.onnx_fusion import fuse_rowwise
 from specair.compile.backends.onnx_export import (OPSET, OnnxExportError, export_self_contained, linear_to_gemm,
                                                   module_tensors, torch_export)
-from specair.compile.backends.onnx_weights import (WEIGHTS_FILE, WEIGHTS_INDEX, OnnxArtifactError, WeightStore,
-                                                   external_tensor, externalize, numpy_dtype, to_numpy)
+from specair.compile.backends.onnx_weights import (WEIGHTS_FILE, WEIGHTS_INDEX, HugePageArena, OnnxArtifactError,
+                                                   WeightStore, external_tensor, externalize, numpy_dtype,
+                                                   to_numpy)
 from specair.compile.graph_def import GraphDef
 from specair.compile import kernels
 from specair.compile.quantize import WeightQuantizer, parse_quantize
@@ -228,6 +230,7 @@ class OnnxBackend(Backend):
         # (weights file, offset, length) -> (array, OrtValue): stored tensors the module lacks (quantized
         # weights, lifted constants), in memory once and shared by every session that reads them
         self._stored: dict[tuple, tuple[Any, Any]] = {}
+        self._arena = HugePageArena()
 
     @property
     def row_independent(self) -> bool:
@@ -406,8 +409,10 @@ class OnnxBackend(Backend):
         dtype, dims = onnx.helper.tensor_dtype_to_np_dtype(init.data_type), tuple(init.dims)
 
         def read():
-            count = int(np.prod(dims, dtype=np.int64))
-            return np.fromfile(path, dtype=dtype, count=count, offset=offset).reshape(dims)
+            if os.environ.get("SPECAIR_HUGEPAGES", "1") == "0":  # 4 KiB pages, as numpy allocates them
+                count = int(np.prod(dims, dtype=np.int64))
+                return np.fromfile(path, dtype=dtype, count=count, offset=offset).reshape(dims)
+            return self._arena.read(path, offset, dtype, dims)
 
         value = self._stored_value(path, offset, length, read)
         keepalive.append(value)

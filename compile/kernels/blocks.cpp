@@ -14,12 +14,6 @@ namespace {
 
 constexpr int kRows = 4;  // rows per register chunk
 
-// Weights stream from memory once per pass: fetching ahead into L2 keeps a core's loads in flight across the
-// short matrices of a decode step, where the hardware prefetcher has little time to ramp up. Into L2, not L1:
-// the larger records (Q5, Q6_K: 6-7 cache lines a block) thrash L1 otherwise (measured interleaved here:
-// Q6_K 19.7 GB/s with 12 blocks ahead into L1, 26 with 8 KiB ahead into L2; Q4_1 and Q4_K unchanged).
-constexpr int kAheadBytes = 8192;
-
 enum Scale { kPerBlock, kPerBlockMin, kSuperMin, kSuperHalves };
 
 // bits: code width; offset: subtracted from every code (Q8_0's signed codes: see `kSigned`); scale: what a
@@ -202,6 +196,11 @@ void quantize_avx512(const float* x, int64_t M, int64_t K, int8_t* q8, float* sc
   }
 }
 
+// a | (b & mask) in one operation
+SPECAIR_AVX512 inline __m512i or_masked(__m512i a, __m512i b, __m512i mask) {
+  return _mm512_ternarylogic_epi32(a, b, mask, 0xF8);
+}
+
 // A block's 16 columns of codes as u8 vectors: lo[g] holds k = 4g..4g+3, hi[g] k = 16+4g..16+4g+3, per column.
 template <int F>
 SPECAIR_AVX512 inline void codes512(const uint8_t* w, __m512i* lo, __m512i* hi) {
@@ -223,14 +222,14 @@ SPECAIR_AVX512 inline void codes512(const uint8_t* w, __m512i* lo, __m512i* hi) 
     }
     if constexpr (bits == 5) {  // bit g (low half) and 4+g (high half) of each byte, moved to bit 4
       const __m512i h = _mm512_loadu_si512(w + 256), b4 = _mm512_set1_epi8(0x10);
-      lo[0] = _mm512_or_si512(lo[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), b4));
-      lo[1] = _mm512_or_si512(lo[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), b4));
-      lo[2] = _mm512_or_si512(lo[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), b4));
-      lo[3] = _mm512_or_si512(lo[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), b4));
-      hi[0] = _mm512_or_si512(hi[0], _mm512_and_si512(h, b4));
-      hi[1] = _mm512_or_si512(hi[1], _mm512_and_si512(_mm512_srli_epi16(h, 1), b4));
-      hi[2] = _mm512_or_si512(hi[2], _mm512_and_si512(_mm512_srli_epi16(h, 2), b4));
-      hi[3] = _mm512_or_si512(hi[3], _mm512_and_si512(_mm512_srli_epi16(h, 3), b4));
+      lo[0] = or_masked(lo[0], _mm512_slli_epi16(h, 4), b4);
+      lo[1] = or_masked(lo[1], _mm512_slli_epi16(h, 3), b4);
+      lo[2] = or_masked(lo[2], _mm512_slli_epi16(h, 2), b4);
+      lo[3] = or_masked(lo[3], _mm512_slli_epi16(h, 1), b4);
+      hi[0] = or_masked(hi[0], h, b4);
+      hi[1] = or_masked(hi[1], _mm512_srli_epi16(h, 1), b4);
+      hi[2] = or_masked(hi[2], _mm512_srli_epi16(h, 2), b4);
+      hi[3] = or_masked(hi[3], _mm512_srli_epi16(h, 3), b4);
     }
     if constexpr (bits == 6) {  // bits 2g, 2g+1 of each byte, moved to bits 4, 5
       const __m512i b45 = _mm512_set1_epi8(0x30);
@@ -238,10 +237,10 @@ SPECAIR_AVX512 inline void codes512(const uint8_t* w, __m512i* lo, __m512i* hi) 
       for (int half = 0; half < 2; ++half) {
         const __m512i h = _mm512_loadu_si512(w + 256 + 64 * half);
         __m512i* v = halves[half];
-        v[0] = _mm512_or_si512(v[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), b45));
-        v[1] = _mm512_or_si512(v[1], _mm512_and_si512(_mm512_slli_epi16(h, 2), b45));
-        v[2] = _mm512_or_si512(v[2], _mm512_and_si512(h, b45));
-        v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_srli_epi16(h, 2), b45));
+        v[0] = or_masked(v[0], _mm512_slli_epi16(h, 4), b45);
+        v[1] = or_masked(v[1], _mm512_slli_epi16(h, 2), b45);
+        v[2] = or_masked(v[2], h, b45);
+        v[3] = or_masked(v[3], _mm512_srli_epi16(h, 2), b45);
       }
     }
   }
@@ -258,9 +257,11 @@ SPECAIR_AVX512 inline __m512 i8x16(const uint8_t* q) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
 }
 
-// The block's per-column float scales (ws0 low half, ws1 high half) and minima, as column_scales computes them.
+// The block's per-column float scales (ws0 low half, ws1 high half) and minima, as column_scales computes them,
+// except that the minimum is not negated (its product is subtracted instead, which rounds the same). The
+// K-quants' super-block d and dmin (sd, sm) are converted once per super-block by the caller.
 template <int F>
-SPECAIR_AVX512 inline void scales512(const uint8_t* w, const uint8_t* sup, __m512& ws0, __m512& ws1, __m512& wm) {
+SPECAIR_AVX512 inline void scales512(const uint8_t* w, __m512 sd, __m512 sm, __m512& ws0, __m512& ws1, __m512& wm) {
   const uint8_t* p = w + code_bytes(Fmt<F>::bits);
   if constexpr (Fmt<F>::scale == kPerBlock) {
     ws0 = ws1 = half16(p);
@@ -268,12 +269,11 @@ SPECAIR_AVX512 inline void scales512(const uint8_t* w, const uint8_t* sup, __m51
     ws0 = ws1 = half16(p);
     wm = half16(p + 32);
   } else if constexpr (Fmt<F>::scale == kSuperMin) {
-    ws0 = ws1 = _mm512_mul_ps(half16(sup), u8x16(p));
-    wm = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(sup + 32), u8x16(p + 16)));
+    ws0 = ws1 = _mm512_mul_ps(sd, u8x16(p));
+    wm = _mm512_mul_ps(sm, u8x16(p + 16));
   } else {
-    const __m512 d = half16(sup);
-    ws0 = _mm512_mul_ps(d, i8x16(p));
-    ws1 = _mm512_mul_ps(d, i8x16(p + 16));
+    ws0 = _mm512_mul_ps(sd, i8x16(p));
+    ws1 = _mm512_mul_ps(sd, i8x16(p + 16));
   }
 }
 
@@ -289,20 +289,20 @@ SPECAIR_AVX512 void tiles_avx512(const Q8Rows& x, int64_t M, int64_t K, int64_t 
     const __mmask16 keep = N - n0 >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
     for (int64_t r0 = 0; r0 < M; r0 += kRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, M - r0));
-      __m512 acc[kRows];
+      __m512 acc[kRows], sd = _mm512_setzero_ps(), sm = _mm512_setzero_ps();
       for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t tb = t * nb + b;
         const uint8_t* w = rec + tb * R;
-        const uint8_t* s = S ? sup + (t * nsb + b / kSuper) * S : nullptr;
-        if (r0 == 0) {
-          for (int o = 0; o < R; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + kAheadBytes + o), _MM_HINT_T1);
-          if (S && b % kSuper == 0) _mm_prefetch(reinterpret_cast<const char*>(s + S), _MM_HINT_T0);
+        if (S && b % kSuper == 0) {
+          const uint8_t* s = sup + (t * nsb + b / kSuper) * S;
+          sd = half16(s);
+          if constexpr (T::scale == kSuperMin) sm = half16(s + 32);
         }
         __m512i lo[4], hi[4];
         codes512<F>(w, lo, hi);
         __m512 ws0, ws1, wm = _mm512_setzero_ps();
-        scales512<F>(w, s, ws0, ws1, wm);
+        scales512<F>(w, sd, sm, ws0, ws1, wm);
         for (int r = 0; r < kRows; ++r) {
           if (r >= rows) break;
           const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + (r0 + r) * K + b * kBlock);
@@ -324,8 +324,10 @@ SPECAIR_AVX512 void tiles_avx512(const Q8Rows& x, int64_t M, int64_t K, int64_t 
           } else {
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(ws0, dx), acc[r]);
           }
-          if constexpr (T::scale == kPerBlockMin || T::scale == kSuperMin)
+          if constexpr (T::scale == kPerBlockMin)
             acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x.sum[rb]), acc[r]);
+          if constexpr (T::scale == kSuperMin)
+            acc[r] = _mm512_fnmadd_ps(wm, _mm512_set1_ps(x.sum[rb]), acc[r]);
         }
       }
       for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * N + n0, keep, acc[r]);
@@ -485,10 +487,6 @@ SPECAIR_AVX2 void tiles_avx2(const Q8Rows& x, int64_t M, int64_t K, int64_t N, c
           const int64_t tb = t * nb + b;
           const uint8_t* w = rec + tb * R;
           const uint8_t* s = S ? sup + (t * nsb + b / kSuper) * S : nullptr;
-          if (r0 == 0 && h == 0) {
-            for (int o = 0; o < R; o += 64) _mm_prefetch(reinterpret_cast<const char*>(w + kAheadBytes + o), _MM_HINT_T1);
-            if (S && b % kSuper == 0) _mm_prefetch(reinterpret_cast<const char*>(s + S), _MM_HINT_T0);
-          }
           __m256i lo[4], hi[4];
           codes256<F>(w, h, lo, hi);
           __m256 ws0, ws1, wm = _mm256_setzero_ps();
