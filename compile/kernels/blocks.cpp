@@ -246,7 +246,7 @@ SPECAIR_AVX512 inline void codes512(const uint8_t* w, __m512i* lo, __m512i* hi) 
   }
 }
 
-// The block's per-column float scales (ws0 low half, ws1 high half) and minima, as column_scales computes them.
+// 16 float16, unsigned or signed bytes as float32.
 SPECAIR_AVX512 inline __m512 half16(const uint8_t* q) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
 }
@@ -394,8 +394,9 @@ SPECAIR_AVX2 inline __m256 i8x8(const uint8_t* q) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
 }
 
+// As scales512, for columns 8h..8h+7.
 template <int F>
-SPECAIR_AVX2 inline void scales256(const uint8_t* w, const uint8_t* sup, int h, __m256& ws0, __m256& ws1,
+SPECAIR_AVX2 inline void scales256(const uint8_t* w, int h, __m256 sd, __m256 sm, __m256& ws0, __m256& ws1,
                                    __m256& wm) {
   const uint8_t* p = w + code_bytes(Fmt<F>::bits);
   if constexpr (Fmt<F>::scale == kPerBlock) {
@@ -404,12 +405,11 @@ SPECAIR_AVX2 inline void scales256(const uint8_t* w, const uint8_t* sup, int h, 
     ws0 = ws1 = half8(p + 16 * h);
     wm = half8(p + 32 + 16 * h);
   } else if constexpr (Fmt<F>::scale == kSuperMin) {
-    ws0 = ws1 = _mm256_mul_ps(half8(sup + 16 * h), u8x8(p + 8 * h));
-    wm = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(sup + 32 + 16 * h), u8x8(p + 16 + 8 * h)));
+    ws0 = ws1 = _mm256_mul_ps(sd, u8x8(p + 8 * h));
+    wm = _mm256_mul_ps(sm, u8x8(p + 16 + 8 * h));
   } else {
-    const __m256 d = half8(sup + 16 * h);
-    ws0 = _mm256_mul_ps(d, i8x8(p + 8 * h));
-    ws1 = _mm256_mul_ps(d, i8x8(p + 16 + 8 * h));
+    ws0 = _mm256_mul_ps(sd, i8x8(p + 8 * h));
+    ws1 = _mm256_mul_ps(sd, i8x8(p + 16 + 8 * h));
   }
 }
 
@@ -481,16 +481,20 @@ SPECAIR_AVX2 void tiles_avx2(const Q8Rows& x, int64_t M, int64_t K, int64_t N, c
       if (n0 >= N) break;
       for (int64_t r0 = 0; r0 < M; r0 += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, M - r0));
-        __m256 acc[kRows];
+        __m256 acc[kRows], sd = _mm256_setzero_ps(), sm = _mm256_setzero_ps();
         for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
           const int64_t tb = t * nb + b;
           const uint8_t* w = rec + tb * R;
-          const uint8_t* s = S ? sup + (t * nsb + b / kSuper) * S : nullptr;
+          if (S && b % kSuper == 0) {
+            const uint8_t* s = sup + (t * nsb + b / kSuper) * S;
+            sd = half8(s + 16 * h);
+            if constexpr (T::scale == kSuperMin) sm = half8(s + 32 + 16 * h);
+          }
           __m256i lo[4], hi[4];
           codes256<F>(w, h, lo, hi);
           __m256 ws0, ws1, wm = _mm256_setzero_ps();
-          scales256<F>(w, s, h, ws0, ws1, wm);
+          scales256<F>(w, h, sd, sm, ws0, ws1, wm);
           for (int r = 0; r < kRows; ++r) {
             if (r >= rows) break;
             const int32_t* xq = reinterpret_cast<const int32_t*>(x.q + (r0 + r) * K + b * kBlock);
@@ -508,8 +512,10 @@ SPECAIR_AVX2 void tiles_avx2(const Q8Rows& x, int64_t M, int64_t K, int64_t N, c
             } else {
               acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(ws0, dx), acc[r]);
             }
-            if constexpr (T::scale == kPerBlockMin || T::scale == kSuperMin)
+            if constexpr (T::scale == kPerBlockMin)
               acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(x.sum[rb]), acc[r]);
+            if constexpr (T::scale == kSuperMin)
+              acc[r] = _mm256_fnmadd_ps(wm, _mm256_set1_ps(x.sum[rb]), acc[r]);
           }
         }
         for (int r = 0; r < rows; ++r) {
