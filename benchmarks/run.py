@@ -732,8 +732,8 @@ def run_bench(opts: BenchOptions) -> dict[str, Any]:
     # sampled before every prompt, as the configurations run, and the median taken.
     samples = sorted([bw_start, *bw_during, bw_end])
     bw = samples[len(samples) // 2]
-    floor: dict[str, Any] = {"read_bandwidth_GB_s": bw / 1e9, "method": "torch.sum over a 512 MiB fp32 buffer in huge pages with "
-                             "the benchmark's torch threads (best of 5 before and after the runs, best of 3 before "
+    floor: dict[str, Any] = {"read_bandwidth_GB_s": bw / 1e9,
+                             "method": "torch.sum over a 512 MiB fp32 buffer in huge pages with the benchmark's torch threads (best of 5 before and after the runs, best of 3 before "
                              "each prompt); the median of those readings",
                              "read_bandwidth_GB_s_start_end": [bw_start / 1e9, bw_end / 1e9],
                              "read_bandwidth_GB_s_samples": [round(b / 1e9, 2) for b in samples]}

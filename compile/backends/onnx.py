@@ -32,7 +32,6 @@ call at a time per graph (a lock guards the binding).
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -400,7 +399,6 @@ class OnnxBackend(Backend):
 
     def _file_tensor(self, art_dir: Path, init, keepalive: list[Any]):
         """An external initializer the module lacks, read from the weights file once per process."""
-        import numpy as np
         import onnx
 
         info = {e.key: e.value for e in init.external_data}
@@ -408,12 +406,6 @@ class OnnxBackend(Backend):
         offset, length = int(info.get("offset", 0)), int(info["length"])
         dtype, dims = onnx.helper.tensor_dtype_to_np_dtype(init.data_type), tuple(init.dims)
 
-        def read():
-            if os.environ.get("SPECAIR_HUGEPAGES", "1") == "0":  # 4 KiB pages, as numpy allocates them
-                count = int(np.prod(dims, dtype=np.int64))
-                return np.fromfile(path, dtype=dtype, count=count, offset=offset).reshape(dims)
-            return self._arena.read(path, offset, dtype, dims)
-
-        value = self._stored_value(path, offset, length, read)
+        value = self._stored_value(path, offset, length, lambda: self._arena.read(path, offset, dtype, dims))
         keepalive.append(value)
         return value[1]

@@ -45,10 +45,12 @@ class HugePageArena:
     page boundary and every page costs a TLB walk: the block kernels read at what a plain streaming read on 4 KiB
     pages gets, and faster on 2 MiB pages (docs/performance.md). Tensors are packed one after another (64-byte
     aligned) into chunks of at least `chunk` bytes, so only the last huge page of each chunk is partly used; a
-    chunk's memory goes when the last array in it does (each array keeps its chunk's mapping alive)."""
+    chunk's memory goes when the last array in it does (each array keeps its chunk's mapping alive).
+    `SPECAIR_HUGEPAGES=0` (or huge=False) leaves the chunks on the kernel's ordinary pages."""
 
-    def __init__(self, chunk: int = 256 << 20) -> None:
+    def __init__(self, chunk: int = 256 << 20, huge: bool | None = None) -> None:
         self.chunk = chunk
+        self.huge = os.environ.get("SPECAIR_HUGEPAGES", "1") != "0" if huge is None else huge
         self._buf: mmap.mmap | None = None
         self._at = self._end = 0
 
@@ -62,7 +64,7 @@ class HugePageArena:
             base = np.frombuffer(self._buf, dtype=np.uint8, count=1).ctypes.data
             self._at = (-base) % _HUGE  # huge pages back 2 MiB-aligned ranges only
             self._end = size
-            if hasattr(mmap, "MADV_HUGEPAGE"):
+            if self.huge and hasattr(mmap, "MADV_HUGEPAGE"):
                 try:
                     self._buf.madvise(mmap.MADV_HUGEPAGE, self._at, size - self._at)
                 except OSError:  # a kernel without transparent huge pages: 4 KiB pages, the same bytes
