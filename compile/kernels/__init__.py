@@ -30,7 +30,7 @@ from specair.models.errors import SpecairError
 
 OP, ATTENTION, FILTER, DOMAIN = "MatMulBlocks", "CacheAttention", "FilteredProbs", "specair.ort"
 RMSNORM, SWIGLU = "RMSNorm", "SwiGLU"
-_SOURCES = ("blocks.h", "blocks.cpp", "rowwise.h", "rowwise.cpp", "exp.h", "lanes.h", "attention.h", "attention_simd.inc", "attention.cpp", "sampling.h",
+_SOURCES = ("blocks.h", "blocks.cpp", "rowwise.h", "rowwise.cpp", "exp.h", "lanes.h", "lanes_exp.inc", "attention.h", "attention_simd.inc", "attention.cpp", "sampling.h",
             "sampling.cpp", "ort_ops.cpp")
 _HERE = Path(__file__).parent
 _DEBIAN_PACKAGE = "libonnxruntime-dev"

@@ -38,16 +38,7 @@ inline V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
 inline V round_nearest(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline V times_pow2(V p, V n) { return _mm512_scalef_ps(p, n); }
 
-// exp of lanes x <= 0, exp.h's method in every lane: clamped below at kExpMin, 2^n times the polynomial of the
-// remainder, n rounded to nearest.
-inline V exp_nonpositive(V x) {
-  x = max(x, set1(kExpMin));
-  const V n = round_nearest(mul(x, set1(kLog2e)));
-  const V r = fnma(n, set1(kLn2Lo), fnma(n, set1(kLn2Hi), x));
-  V p = set1(kP[0]);
-  for (int i = 1; i < 6; ++i) p = fma(p, r, set1(kP[i]));
-  return times_pow2(fma(p, mul(r, r), add(r, set1(1.0f))), n);
-}
+#include "lanes_exp.inc"
 }  // namespace lanes512
 #pragma GCC pop_options
 
@@ -83,16 +74,7 @@ inline V times_pow2(V p, V n) {  // n >= -126 where exp uses it, so 2^n is a nor
                                                                         _mm256_set1_epi32(127)), 23)));
 }
 
-// exp of lanes x <= 0, exp.h's method in every lane: clamped below at kExpMin, 2^n times the polynomial of the
-// remainder, n rounded to nearest.
-inline V exp_nonpositive(V x) {
-  x = max(x, set1(kExpMin));
-  const V n = round_nearest(mul(x, set1(kLog2e)));
-  const V r = fnma(n, set1(kLn2Lo), fnma(n, set1(kLn2Hi), x));
-  V p = set1(kP[0]);
-  for (int i = 1; i < 6; ++i) p = fma(p, r, set1(kP[i]));
-  return times_pow2(fma(p, mul(r, r), add(r, set1(1.0f))), n);
-}
+#include "lanes_exp.inc"
 }  // namespace lanes256
 #pragma GCC pop_options
 
