@@ -414,7 +414,7 @@ def weight_bytes_per_token(model: Any, quantization: Any = None) -> int:
             total += sum(w.shape[0] * w.shape[1] * FORMATS.get(w.type, FORMATS["F32"]).bits_per_weight / 8
                          for w in parts)
         else:
-            total += p.numel() * (quantization.bytes_per_weight if quantized else p.element_size())
+            total += p.numel() * (quantization.bytes_per_weight(p.shape[-1]) if quantized else p.element_size())
     return int(total)
 
 

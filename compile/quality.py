@@ -2,10 +2,10 @@
 the US Constitution, public domain) with every linear layer as specair's int4 kernel computes it, against the
 float weights.
 
-The int4 side is the float model with each linear weight replaced by its Q4_1 rounding (the values the kernel
-holds, fp16 scale and minimum per block of 32) and each activation row rounded to int8 per block of 32 as the
-kernel rounds it, so it is the kernel's product up to float32 summation order. Weights a GGUF file stores
-quantized are read as stored and cost nothing against that file, so only float weights count.
+The int4 side is the float model with each linear weight replaced by its int4 rounding (the values the kernel
+holds: Q4_K's shape where K is a multiple of 256, else Q4_1; `compile/quantize.int4_values`) and each
+activation row rounded to int8 per block of 32 as the kernel rounds it, so it is the kernel's product up to
+float32 summation order. Weights a GGUF file stores quantized are read as stored and cost nothing against that file, so only float weights count.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specair.compile.quantize import round_to_q4_1
+from specair.compile.quantize import int4_values
 from specair.models.llama import GGUF_PARTS, Transformer
 
 TEXT = Path(__file__).parent / "data" / "quality.txt"
@@ -27,14 +27,10 @@ _ROWS = 8192  # rows rounded at a time: the rounding works in float64
 
 
 def int4_weight(w: Tensor) -> Tensor:
-    """w [N, K] as the int4 kernel holds it: rounded onto Q4_1 blocks of 32, fp16 scale and minimum."""
+    """w [N, K] as the int4 kernel holds it (`int4_values`), a chunk of rows at a time."""
     out = torch.empty_like(w, dtype=torch.float32)
     for r0 in range(0, w.shape[0], _ROWS):
-        q, d, m = round_to_q4_1(w[r0:r0 + _ROWS])
-        n, k = q.shape
-        blocks = torch.from_numpy(q).reshape(n, k // 32, 32).float() * torch.from_numpy(d).float()[..., None] \
-            + torch.from_numpy(m).float()[..., None]
-        out[r0:r0 + _ROWS] = blocks.reshape(n, k)
+        out[r0:r0 + _ROWS] = int4_values(w[r0:r0 + _ROWS])
     return out
 
 

@@ -33,8 +33,11 @@ Schemes (`SCHEMES`):
   int8 per block and use integer dot products, which is what llama.cpp does on CPU for Q4_1 (activations as
   Q8_1); accuracy_level 0 (float activations) measured 3.6x slower on SmolLM2's LM head at batch 1 here.
   Where specair's own kernel builds (compile/kernels), every int4 layer runs it: Q4_1 blocks exactly, and
-  other weights (SmolLM2's tied table) rounded onto Q4_1 blocks as llama.cpp quantizes to Q4_1 (a float
-  minimum, not an integer zero point), so that no layer of the path computes a row differently at M rows.
+  other float weights rounded (`int4_format`) onto Q4_K's shape where K is a multiple of 256 (8-bit block
+  scales and minima under float16 super-block scales: 4.625 bits per weight in the kernel's layout, and on
+  Gaussian weights the same RMS error as Q4_1, 0.0784 against 0.0782 of the weights' RMS), else onto Q4_1
+  blocks as llama.cpp quantizes to Q4_1 (a float minimum, not an integer zero point: SmolLM2's widths, 576
+  and 960, are not multiples of 256), so that no layer of the path computes a row differently at M rows.
 - `int8`: `MatMulNBits` again, 8 bits, blocks of 32, symmetric (GGUF Q8_0's shape: one scale per block of
   32), accuracy_level 4. onnxruntime's dynamic quantization (`quantize_dynamic`: DynamicQuantizeLinear +
   MatMulInteger, fused into DynamicQuantizeMatMul) was measured too and is faster (decode step ~10%,
@@ -95,12 +98,13 @@ class Quantization:
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    @property
-    def bytes_per_weight(self) -> float:
-        """Bytes a linear layer's weight takes as this scheme stores it: the codes, and per block a scale and
-        a zero point (MatMulNBits: float32 and 4 bits) or Q4_1's float16 scale and minimum (specair's kernel)."""
-        extra = 4 if self.kernel != "MatMulNBits" else 4 + (0 if self.symmetric else self.bits / 8)
-        return self.bits / 8 + extra / self.block_size
+    def bytes_per_weight(self, K: int) -> float:
+        """Bytes a linear layer's weight with K inputs takes as this scheme stores a float weight: the codes, and
+        per block a scale and a zero point (MatMulNBits: float32 and 4 bits), or as specair's kernel lays out
+        the block format it rounds onto (`int4_format`)."""
+        if self.kernel != "MatMulNBits":
+            return formats.FORMATS[int4_format(K)].bits_per_weight / 8
+        return self.bits / 8 + (4 + (0 if self.symmetric else self.bits / 8)) / self.block_size
 
 
 SCHEMES = {
@@ -110,8 +114,8 @@ SCHEMES = {
 
 
 def parse_quantize(name: str | None) -> Quantization | None:
-    """The scheme for a --quantize value (None or "none": no quantization). int4 reads Q4_1 blocks with
-    specair's own kernel where it builds here (else MatMulNBits, with a warning saying why)."""
+    """The scheme for a --quantize value (None or "none": no quantization). int4 runs specair's own kernel
+    where it builds here (else MatMulNBits, with a warning saying why)."""
     if name is None or name == "none":
         return None
     if name not in SCHEMES:
@@ -177,35 +181,98 @@ def _as_arrays(qs: Tensor, d: Tensor, m: Tensor) -> tuple[np.ndarray, np.ndarray
 _ROUND_ROWS = 4096  # rows rounded at a time: the rounding works in float64 (2 GiB for a 151936 x 2048 table)
 
 
-def _q4_1(w: Tensor, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
-    """w rounded onto Q4_1 blocks as llama.cpp quantizes to Q4_1 (q [N, K] uint8, d and m [N, K/block]
-    float16), and whether every block already was exactly d*q + m (a GGUF Q4_1 block as the loader
-    dequantized it from float16 d and m, up to float32's rounding of d*q + m), a chunk of rows at a time."""
-    qs, ds, ms, exact = [], [], [], True
-    for r0 in range(0, w.shape[0], _ROUND_ROWS):
-        b, q, d, m = _q4_1_rounding(w[r0:r0 + _ROUND_ROWS], block)
-        if exact:
-            err = (q * d[..., None] + m[..., None] - b).abs()
-            exact = bool((err <= 4 * torch.finfo(torch.float32).eps * (m.abs() + 15 * d)[..., None]).all())
-        for out, a in zip((qs, ds, ms), _as_arrays(q, d, m)):
-            out.append(a)
-    return np.concatenate(qs), np.concatenate(ds), np.concatenate(ms), exact
-
-
 def q4_1_blocks(w: Tensor, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """If every block of `block` weights along K is exactly d*q + m with q in 0..15 (a GGUF Q4_1 block, as
-    the loader dequantized it from float16 d and m), return q [N, K] uint8, d and m [N, K/block] float16;
-    else None."""
+    the loader dequantized it from float16 d and m, up to float32's rounding of d*q + m), return q [N, K]
+    uint8, d and m [N, K/block] float16; else None (known from the first rows that are not, a chunk at a time)."""
     if w.shape[1] % block:
         return None
-    qs, d, m, exact = _q4_1(w, block)
-    return (qs, d, m) if exact else None
+    qs, ds, ms = [], [], []
+    for r0 in range(0, w.shape[0], _ROUND_ROWS):
+        b, q, d, m = _q4_1_rounding(w[r0:r0 + _ROUND_ROWS], block)
+        err = (q * d[..., None] + m[..., None] - b).abs()
+        if not bool((err <= 4 * torch.finfo(torch.float32).eps * (m.abs() + 15 * d)[..., None]).all()):
+            return None
+        for out, a in zip((qs, ds, ms), _as_arrays(q, d, m)):
+            out.append(a)
+    return np.concatenate(qs), np.concatenate(ds), np.concatenate(ms)
 
 
 def round_to_q4_1(w: Tensor, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """w rounded onto Q4_1 blocks as llama.cpp quantizes to Q4_1: q [N, K] uint8, d and m [N, K/block]
     float16."""
-    return _q4_1(w, block)[:3]
+    parts = [_as_arrays(*_q4_1_rounding(w[r0:r0 + _ROUND_ROWS], block)[1:])
+             for r0 in range(0, w.shape[0], _ROUND_ROWS)]
+    return tuple(np.concatenate(a) for a in zip(*parts))  # type: ignore[return-value]
+
+
+def int4_format(K: int) -> str:
+    """The block format int4 rounds a float weight with K inputs onto, on specair's kernel: Q4_K's shape where
+    K is a multiple of 256 (4.625 bits per weight as the kernel lays it out), else Q4_1 (5 bits)."""
+    return "Q4_K" if K % (formats.BLOCK * formats.SUPER) == 0 else "Q4_1"
+
+
+def _half_at_least(x: Tensor) -> Tensor:
+    """The smallest float16 >= x (x >= 0, finite in float16): a super-block scale that no block's scale exceeds
+    255 times."""
+    h = x.to(torch.float16)
+    bits = h.view(torch.int16) + (h.to(x.dtype) < x).to(torch.int16)  # the next float16 up (x >= 0)
+    return bits.view(torch.float16)
+
+
+def round_to_q4_k(w: Tensor) -> formats.Unpacked:
+    """w [N, K] (K a multiple of 256) rounded onto Q4_K's shape: per super-block of 256, float16 d and dmin; per
+    block of 32, a scale s and a minimum m in 0..255; w = d*s*q - dmin*m with q in 0..15. GGUF's Q4_K keeps s
+    and m in 6 bits; the kernel's layout gives each a byte, so the finer steps cost nothing. Each block's range
+    is its minimum (or 0, when the block lies above 0: Q4_K's minimum is subtracted) to its maximum; s is
+    rounded up, so the range fits the 16 steps, and q is the nearest step."""
+    N, K = w.shape
+    if K % (formats.BLOCK * formats.SUPER):
+        raise ValueError(f"Q4_K needs K to be a multiple of 256, got {K}")
+    codes, scales, mins, ds, dmins = [], [], [], [], []
+    for r0 in range(0, N, _ROUND_ROWS):
+        b = w[r0:r0 + _ROUND_ROWS].detach().to(torch.float64)
+        b = b.reshape(b.shape[0], K // 256, 8, 32)
+        low = (-b.amin(-1)).clamp_min(0)
+        span = (b.amax(-1) + low) / 15
+        if not bool(torch.isfinite(span).all()) or float(span.max()) / 255 > 65504:
+            raise QuantizationError("a weight too large for Q4_K's float16 scales cannot be rounded onto int4")
+        d, dmin = _half_at_least(span.amax(-1) / 255), _half_at_least(low.amax(-1) / 255)
+        d64, dmin64 = d.to(torch.float64)[..., None], dmin.to(torch.float64)[..., None]
+        s = torch.where(d64 > 0, torch.ceil(span / torch.where(d64 > 0, d64, 1)), 0).clamp(0, 255)
+        m = torch.where(dmin64 > 0, torch.round(low / torch.where(dmin64 > 0, dmin64, 1)), 0).clamp(0, 255)
+        step, offset = (d64 * s)[..., None], (dmin64 * m)[..., None]
+        q = torch.where(step > 0, torch.round((b + offset) / torch.where(step > 0, step, 1)), 0).clamp(0, 15)
+        n = b.shape[0]
+        codes.append(q.to(torch.uint8).reshape(n, K).numpy())
+        scales.append(s.to(torch.uint8).reshape(n, -1).numpy())
+        mins.append(m.to(torch.uint8).reshape(n, -1).numpy())
+        ds.append(d.numpy())
+        dmins.append(dmin.numpy())
+    return formats.Unpacked(np.concatenate(codes), [np.concatenate(scales), np.concatenate(mins)],
+                            [np.concatenate(ds), np.concatenate(dmins)])
+
+
+def int4_packed(w: Tensor) -> PackedWeight:
+    """A float weight [N, K] rounded for specair's kernel (`int4_format`), in its layout."""
+    if int4_format(w.shape[1]) == "Q4_K":
+        return formats.pack("Q4_K", round_to_q4_k(w))
+    return formats.from_q4_1(*round_to_q4_1(w))
+
+
+def int4_values(w: Tensor) -> Tensor:
+    """The float32 values specair's kernel holds for a float weight [N, K] (`int4_packed`), as its products
+    compute them (scale times code, minus or plus the minimum)."""
+    N, K = w.shape
+    if int4_format(K) == "Q4_K":
+        u = round_to_q4_k(w)
+        codes = torch.from_numpy(u.codes).reshape(N, K // 256, 8, 32).float()
+        d, dmin = (torch.from_numpy(a).float()[..., None] for a in u.sup)
+        s, m = (torch.from_numpy(a).float().reshape(N, K // 256, 8) for a in u.block)
+        return (codes * (d * s)[..., None] - (dmin * m)[..., None]).reshape(N, K)
+    q, d, m = round_to_q4_1(w)
+    blocks = torch.from_numpy(q).reshape(N, K // 32, 32).float() * torch.from_numpy(d).float()[..., None]
+    return (blocks + torch.from_numpy(m).float()[..., None]).reshape(N, K)
 
 
 def _blocks_template(parts: list[PackedWeight]) -> _Template:
@@ -302,11 +369,11 @@ def _template(q: Quantization, w: Tensor) -> _Template:
         if parts is not None:
             return _blocks_template(parts)
     if q.bits == 4 and not q.symmetric and w.shape[1] % q.block_size == 0:
-        *blocks, exact = _q4_1(w, q.block_size)
-        # specair's kernel takes the rounding of any weight (a float checkpoint's); the tool's path only exact
-        # Q4_1 blocks (it requantizes others itself)
-        if exact or q.kernel == kernels.OP:
-            return _q4_1_template(q, tuple(blocks))
+        blocks = q4_1_blocks(w, q.block_size)
+        if blocks is not None:  # Q4_1 blocks already: read exactly, on either path
+            return _q4_1_template(q, blocks)
+        if q.kernel == kernels.OP:  # the tool's path requantizes other weights itself, below
+            return _blocks_template([int4_packed(w)])
     w32 = w.detach().to(torch.float32)
     N, K = w32.shape
     rows = max(1, min(N, _CHUNK_BYTES // (4 * K)))

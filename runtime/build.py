@@ -209,8 +209,8 @@ def auto_backend(model: str | None, quantize: str | None = None, dtype: str = "f
         return "onnx", "int4"
     if info.num_params >= AUTO_INT4_MIN_PARAMS:
         log(f"specair: {Path(model).name} has {info.num_params / 1e6:.0f}M float parameters: running its linear "
-            f"layers as int4 (Q4_1 blocks of 32) on specair's kernels (--quantize none keeps float32; the quality "
-            "cost is measured once, when its graphs are built)")
+            "layers as int4 (Q4_K's shape where K allows, else Q4_1) on specair's kernels (--quantize none keeps "
+            "float32; the quality cost is measured once, when its graphs are built)")
         return "onnx", "int4"
     return "onnx", None
 

@@ -179,7 +179,8 @@ def _sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="where models, caches and graph inputs live (default: the backend's device: cpu, cuda for the cuda backend, npu for npu)")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES,
                    help="onnx: weight-only quantization of every linear layer (int4: specair's block kernels, a GGUF "
-                        "file's weights as stored and float weights rounded onto Q4_1 blocks of 32; int8: 8-bit "
+                        "file's weights as stored and float weights rounded onto Q4_K's shape (Q4_1 where K is not a "
+                        "multiple of 256); int8: 8-bit "
                         "blocks of 32 like Q8_0); default: auto's choice (int4 for quantized GGUF files and float "
                         "checkpoints of 100M+ parameters), none, or what --artifacts hold")
     p.add_argument("--artifacts", metavar="DIR", help="run from a `specair compile` directory, compiling nothing")

@@ -271,10 +271,12 @@ def test_bandwidth_floor_counts_the_weights_as_the_reference_stores_them(tmp_pat
     assert model.output is None
     params = {id(p): p for p in model.parameters()}.values()
     assert bench.weight_bytes_per_token(model) == 4 * sum(p.numel() for p in params)
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    table = model.tok_embeddings.weight.numel()
-    rest = sum(p.numel() for p in params) - linear - table
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)] + [model.tok_embeddings.weight]
+    rest = sum(p.numel() for p in params) - sum(w.numel() for w in weights)
     q4 = dataclasses.replace(SCHEMES["int4"], kernel="MatMulBlocks")
-    assert q4.bytes_per_weight == 0.625 and SCHEMES["int8"].bytes_per_weight == 1.125
-    assert bench.weight_bytes_per_token(model, q4) == int(0.625 * (linear + table) + 4 * rest)
-    assert parse_quantize("int4").bytes_per_weight in (0.625, 0.640625)  # specair's kernel, or MatMulNBits
+    # Q4_1 (5 bits) where K is not a multiple of 256, Q4_K's shape as the kernel lays it out (4.625) where it is
+    assert q4.bytes_per_weight(576) == 0.625 and q4.bytes_per_weight(2048) == 4.625 / 8
+    assert SCHEMES["int8"].bytes_per_weight(576) == 1.125
+    expected = sum(w.numel() * (4.625 if w.shape[1] % 256 == 0 else 5) / 8 for w in weights) + 4 * rest
+    assert bench.weight_bytes_per_token(model, q4) == int(expected)
+    assert parse_quantize("int4").bytes_per_weight(64) in (0.625, 0.640625)  # specair's kernel, or MatMulNBits
