@@ -619,3 +619,39 @@ def test_weights_read_into_huge_pages_hold_the_files_bytes(tmp_path):
     if "[never]" in settings[0] or not any(f"[{d}]" in settings[1] for d in ("always", "madvise", "defer+madvise")):
         pytest.skip(f"this kernel does not grant huge pages on madvise (THP: {settings})")
     assert _anon_huge_kb(ra.ctypes.data) >= 2048
+
+
+def test_qwen3_head_norms_fold_into_attention(tmp_path):
+    """Qwen3's per-head q/k RMSNorm, between the projection and RoPE, runs inside specair's attention with
+    RoPE (no Split, RotaryEmbedding or q/k RMSNorm node left), and a decode step still computes
+    what eager PyTorch does."""
+    if not kernels.enabled():
+        pytest.skip("specair's kernels do not build here")
+    save_tiny("qwen3", tmp_path / "m")
+    ckpt = load_checkpoint(tmp_path / "m", progress=False)
+    qwen3 = build_model(ckpt.config, ckpt.state_dict)
+    assert qwen3.layers[0].attention.q_norm is not None
+    ctx = 64
+    k, v = qwen3.empty_cache(1, ctx)
+    k.normal_(generator=torch.Generator().manual_seed(0))
+    v.normal_(generator=torch.Generator().manual_seed(1))
+    names = ("tokens", "cache_len", "k_cache", "v_cache", "temperature", "top_k", "top_p", "uniform")
+    module = GraphModule(decode_step, {"target": qwen3}, {"ctx": ctx}, names)
+    backend = OnnxBackend(threads=1)
+    for pos in (0, 37):
+        inputs = (torch.tensor([7 + pos]), torch.tensor([pos]), k, v, torch.zeros(1), torch.zeros(1, dtype=torch.long),
+                  torch.ones(1), torch.rand(1))
+        graph = GraphDef(f"decode.b1.c{ctx}", module, inputs, names, ("next_tokens", "logits", "hidden", "new_k", "new_v"))
+        want = graph.eager(*inputs)
+        got = backend.compile(graph, tmp_path / "art")(*[t.clone() for t in inputs])
+        assert got[3] is None and got[4] is None  # written into the cache in place
+        assert_same(got[:3], want[:3])
+    proto = onnx.load(str(backend.path(graph, tmp_path / "art")), load_external_data=False)
+    attention = [n for n in proto.graph.node if n.op_type == kernels.ATTENTION]
+    ops = [n.op_type for n in proto.graph.node]
+    assert len(attention) == len(qwen3.layers)
+    assert all(len(n.input) == 13 and n.input[11].endswith("q_norm.weight")
+               and n.input[12].endswith("k_norm.weight") for n in attention)
+    assert "RotaryEmbedding" not in ops and "Split" not in ops
+    assert not [n for n in proto.graph.node if n.op_type == kernels.RMSNORM
+                and n.input[1].endswith(("q_norm.weight", "k_norm.weight"))]

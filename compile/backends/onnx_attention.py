@@ -280,10 +280,25 @@ def _drop_written_kv(g) -> None:
             g.output.remove(out)
 
 
+def _head_norm(producers, readers, name: str) -> tuple[str, str, float] | None:
+    """If `name` is Reshape(RMSNorm(Reshape(x), w)) with nothing else reading the steps (Qwen3's per-head q/k
+    norm between the projection's Split and RoPE, on specair's RMSNorm), return (x, w, epsilon)."""
+    outer = producers.get(name)
+    norm = producers.get(outer.input[0]) if outer is not None and outer.op_type == "Reshape" else None
+    if norm is None or (norm.op_type, norm.domain) != (kernels.RMSNORM, kernels.DOMAIN):
+        return None
+    inner = producers.get(norm.input[0])
+    if inner is None or inner.op_type != "Reshape" or readers[outer.input[0]] != 1 or readers[norm.input[0]] != 1:
+        return None
+    eps = next((a.f for a in norm.attribute if a.name == "epsilon"), None)
+    return (inner.input[0], norm.input[1], eps) if eps is not None else None
+
+
 def _pack_rotary(g) -> None:
     """Where nothing but the attention node reads the rotated q and k (the graph returns no new K), let it
     take the packed q|k|v projection and apply RoPE itself (do_rotary, same tables and positions): the
-    Split and both RotaryEmbedding nodes go."""
+    Split and both RotaryEmbedding nodes go. specair's attention also takes a per-head RMSNorm of q and k
+    between the two (Qwen3's q_norm and k_norm), so their Reshape and RMSNorm nodes go too."""
     from onnx import helper
 
     producers = {o: n for n in g.node for o in n.output}
@@ -299,20 +314,27 @@ def _pack_rotary(g) -> None:
         if not (rq is not None and rk is not None and rq.op_type == rk.op_type == "RotaryEmbedding"
                 and readers[n.input[0]] == readers[n.input[1]] == 1 and rq.input[1:] == rk.input[1:]):
             continue
-        split = producers.get(rq.input[0])
+        q_in, k_in, norms = rq.input[0], rk.input[0], []
+        nq, nk = _head_norm(producers, readers, q_in), _head_norm(producers, readers, k_in)
+        if ours and nq is not None and nk is not None and nq[2] == nk[2]:
+            (q_in, q_w, eps), (k_in, k_w, _) = nq, nk
+            norms = [q_w, k_w]
+        split = producers.get(q_in)
         axis = next((a.i for a in split.attribute if a.name == "axis"), 0) if split is not None else None
         if (split is None or split.op_type != "Split" or axis not in (-1, 2)
-                or list(split.output) != [rq.input[0], rk.input[0], n.input[2]]):
+                or list(split.output) != [q_in, k_in, n.input[2]]):
             continue
         positions, cos, sin = rq.input[1:4]
         if ours:
             bias = n.input[7] if len(n.input) > 7 else ""
-            args = [split.input[0], "", ""] + list(n.input[3:7]) + [bias, positions, cos, sin]
+            args = [split.input[0], "", ""] + list(n.input[3:7]) + [bias, positions, cos, sin] + norms
         else:
             args = [split.input[0], "", ""] + list(n.input[3:7]) + [cos, sin, positions] + list(n.input[10:])
         del n.input[:]
         n.input.extend(args)
         n.attribute.append(helper.make_attribute("do_rotary", 1))
+        if norms:
+            n.attribute.append(helper.make_attribute("epsilon", eps))
 
 
 def _drop_dead(g) -> None:

@@ -6,7 +6,8 @@
 //   CacheAttention(q, k, v [B, T, *], k_cache, v_cache [B, Hkv, S, D], seqlens_k int32 [B], total int32,
 //                  bias [Bb, 1, T, S]?; num_heads, kv_num_heads, scale) -> out [B, T, H*D], k_present, v_present:
 //     GroupQueryAttention's contract (RoPE applied before), computed row-independently (attention.h); with
-//     do_rotary, q is the packed q|k|v before RoPE, rotated here by positions [B, T] and cos/sin [P, D/2].
+//     do_rotary, q is the packed q|k|v before RoPE, rotated here by positions [B, T] and cos/sin [P, D/2],
+//     after a per-head RMSNorm of q and k where q_norm and k_norm [D] (and epsilon) are given.
 //   FilteredProbs(x [B, ..., V] float, top_k int64 [B], top_p float [B]) -> probs [B, ..., V]: row b's filters
 //     on each of its rows (sampling.h).
 #define ORT_API_MANUAL_INIT
@@ -234,17 +235,31 @@ void run_attention(void* data, size_t i) {
 struct AttentionKernel {
   const OrtApi& api;
   int64_t heads = 0, kv_heads = 0, rotary = 0;
-  float scale = 0.0f;
-  std::vector<float> q_rot, k_rot, v_buf;
+  float scale = 0.0f, eps = 0.0f;
+  std::vector<float> q_rot, k_rot, v_buf, normed;
 
   // do_rotary: q, k and v come packed in input 0 [B, T, (H + 2 Hkv) * D] before RoPE; rotate q and k (HF's
   // rotate-half pairs, cos/sin [P, D/2] at positions [B, T]) and unpack v, as RotaryEmbedding and Split would.
+  // With q_norm and k_norm (inputs 11, 12: [D], Qwen3's), each head of q and k goes through RMSNorm first, as
+  // the RMSNorm op computes it.
   OrtStatusPtr unpack(Ort::KernelContext& ctx, const Ort::ConstValue& qkv, int64_t B, int64_t T, int64_t D) {
     const auto pos = ctx.GetInput(8), cos = ctx.GetInput(9), sin = ctx.GetInput(10);
     if (!pos || !cos || !sin) return error("do_rotary needs positions, cos and sin");
     const auto ts = cos.GetTensorTypeAndShapeInfo().GetShape();
     if (ts.size() != 2 || ts[1] * 2 != D || pos.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(B * T))
       return error("cos/sin must be [P, D/2] and positions [B, T]");
+    const float *qn = nullptr, *kn = nullptr;
+    if (ctx.GetInputCount() > 12) {
+      const auto qw = ctx.GetInput(11), kw = ctx.GetInput(12);
+      if (static_cast<bool>(qw) != static_cast<bool>(kw)) return error("q_norm and k_norm come together");
+      if (qw) {
+        if (qw.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(D) ||
+            kw.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(D))
+          return error("q_norm and k_norm must be [head_dim]");
+        qn = qw.GetTensorData<float>(), kn = kw.GetTensorData<float>();
+        normed.resize(static_cast<size_t>(D));
+      }
+    }
     const int64_t H = heads, Hkv = kv_heads, W = (H + 2 * Hkv) * D, half = D / 2, P = ts[0];
     q_rot.resize(static_cast<size_t>(B * T * H * D));
     k_rot.resize(static_cast<size_t>(B * T * Hkv * D));
@@ -254,14 +269,18 @@ struct AttentionKernel {
     for (int64_t bt = 0; bt < B * T; ++bt) {
       if (p[bt] < 0 || p[bt] >= P) return error("a position is outside the RoPE tables");
       const float *cr = c + p[bt] * half, *sr = sn + p[bt] * half, *row = x + bt * W;
-      const auto rotate = [&](const float* src, float* dst) {
+      const auto rotate = [&](const float* src, float* dst, const float* norm) {
+        if (norm) {
+          specair::rms_norm_row(src, norm, eps, D, normed.data());
+          src = normed.data();
+        }
         for (int64_t i = 0; i < half; ++i) {
           dst[i] = src[i] * cr[i] - src[half + i] * sr[i];
           dst[half + i] = src[half + i] * cr[i] + src[i] * sr[i];
         }
       };
-      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, q_rot.data() + (bt * H + h) * D);
-      for (int64_t h = 0; h < Hkv; ++h) rotate(row + (H + h) * D, k_rot.data() + (bt * Hkv + h) * D);
+      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, q_rot.data() + (bt * H + h) * D, qn);
+      for (int64_t h = 0; h < Hkv; ++h) rotate(row + (H + h) * D, k_rot.data() + (bt * Hkv + h) * D, kn);
       std::copy(row + (H + Hkv) * D, row + W, v_buf.data() + bt * Hkv * D);
     }
     return nullptr;
@@ -320,6 +339,7 @@ struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
     if (auto* s = api.KernelInfoGetAttribute_int64(info, "kv_num_heads", &k->kv_heads)) return delete k, s;
     if (auto* s = api.KernelInfoGetAttribute_float(info, "scale", &k->scale)) return delete k, s;
     if (auto* s = api.KernelInfoGetAttribute_int64(info, "do_rotary", &k->rotary)) api.ReleaseStatus(s);
+    if (auto* s = api.KernelInfoGetAttribute_float(info, "epsilon", &k->eps)) api.ReleaseStatus(s);
     if (k->heads <= 0 || k->kv_heads <= 0 || k->heads % k->kv_heads) {
       delete k;
       return api.CreateStatus(ORT_INVALID_ARGUMENT, "specair CacheAttention: num_heads must be a multiple of "
@@ -331,8 +351,8 @@ struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
   const char* GetName() const { return "CacheAttention"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   // q, k, v, k_cache, v_cache, seqlens_k, total, attention_bias; with do_rotary q is the packed q|k|v (k and
-  // v empty) and positions, cos and sin follow
-  size_t GetInputTypeCount() const { return 11; }
+  // v empty) and positions, cos and sin follow, then the per-head q_norm and k_norm weights where there are any
+  size_t GetInputTypeCount() const { return 13; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     return i == 5 || i == 6 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
          : i == 8           ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
