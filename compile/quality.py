@@ -5,7 +5,8 @@ float weights.
 The int4 side is the float model with each linear weight replaced by its int4 rounding (the values the kernel
 holds: Q4_K's shape where K is a multiple of 256, else Q4_1; `compile/quantize.int4_values`) and each
 activation row rounded to int8 per block of 32 as the kernel rounds it, so it is the kernel's product up to
-float32 summation order. Weights a GGUF file stores quantized are read as stored and cost nothing against that file, so only float weights count.
+float32 summation order. Weights a GGUF file stores quantized are read as stored and cost nothing against
+that file, so only float weights count.
 """
 
 from __future__ import annotations

@@ -220,6 +220,11 @@ def _half_at_least(x: Tensor) -> Tensor:
     return bits.view(torch.float16)
 
 
+def _ratio_or_zero(a: Tensor, b: Tensor) -> Tensor:
+    """a / b, and 0 where b is 0 (an all-zero block or super-block)."""
+    return torch.where(b > 0, a / torch.where(b > 0, b, 1), 0)
+
+
 def round_to_q4_k(w: Tensor) -> formats.Unpacked:
     """w [N, K] (K a multiple of 256) rounded onto Q4_K's shape: per super-block of 256, float16 d and dmin; per
     block of 32, a scale s and a minimum m in 0..255; w = d*s*q - dmin*m with q in 0..15. GGUF's Q4_K keeps s
@@ -239,10 +244,10 @@ def round_to_q4_k(w: Tensor) -> formats.Unpacked:
             raise QuantizationError("a weight too large for Q4_K's float16 scales cannot be rounded onto int4")
         d, dmin = _half_at_least(span.amax(-1) / 255), _half_at_least(low.amax(-1) / 255)
         d64, dmin64 = d.to(torch.float64)[..., None], dmin.to(torch.float64)[..., None]
-        s = torch.where(d64 > 0, torch.ceil(span / torch.where(d64 > 0, d64, 1)), 0).clamp(0, 255)
-        m = torch.where(dmin64 > 0, torch.round(low / torch.where(dmin64 > 0, dmin64, 1)), 0).clamp(0, 255)
+        s = _ratio_or_zero(span, d64).ceil().clamp(0, 255)
+        m = _ratio_or_zero(low, dmin64).round().clamp(0, 255)
         step, offset = (d64 * s)[..., None], (dmin64 * m)[..., None]
-        q = torch.where(step > 0, torch.round((b + offset) / torch.where(step > 0, step, 1)), 0).clamp(0, 15)
+        q = _ratio_or_zero(b + offset, step).round().clamp(0, 15)
         n = b.shape[0]
         codes.append(q.to(torch.uint8).reshape(n, K).numpy())
         scales.append(s.to(torch.uint8).reshape(n, -1).numpy())
