@@ -29,10 +29,12 @@ if not kernels.enabled():
     pytest.skip("specair's kernel library does not build here", allow_module_level=True)
 
 
-def _session(nodes, inputs, outputs, inits=()):
+def _session(nodes, inputs, outputs, inits=(), config=()):
     graph = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(kernels.DOMAIN, 1)])
     so = ort.SessionOptions()
+    for key, value in config:
+        so.add_session_config_entry(key, value)
     so.register_custom_ops_library(str(kernels.library()))
     if _shared_thread_pool(2):  # the process's one pool, as the onnx backend runs its graphs
         so.use_per_session_threads = False
@@ -59,12 +61,12 @@ def gguf_rows(name, N, K, seed=0):
     return b.reshape(N, -1)
 
 
-def blocks_session(w, M):
+def blocks_session(w, M, config=()):
     inits = [numpy_helper.from_array(w.records, "r")] + ([] if w.super is None else [numpy_helper.from_array(w.super, "s")])
     node = helper.make_node(kernels.OP, ["x", "r"] + ([] if w.super is None else ["s"]), ["y"], domain=kernels.DOMAIN,
                             K=w.K, N=w.N, format=w.format)
     return _session([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, w.K])],
-                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, w.N])], inits)
+                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, w.N])], inits, config)
 
 
 def quantized_activations(x):
@@ -168,6 +170,19 @@ def test_block_paths_agree_bitwise_at_the_integer_limits():
         assert r.returncode == 0, r.stderr[-3000:]
         digests.add(r.stdout.split()[-1])
     assert len(digests) == 1
+
+
+def test_a_product_has_the_same_bits_however_many_parts_it_splits_into():
+    """specair.intra_op_threads sets how many contiguous parts a product splits into (0: small tasks taken in
+    turn); each output column is one thread's work whatever the split, so the bits do not change."""
+    w = formats.pack_gguf("Q4_K", gguf_rows("Q4_K", 200, 512), 512)
+    x = np.random.default_rng(2).standard_normal((3, 512)).astype(np.float32)
+    outs = [blocks_session(w, 3, [("specair.intra_op_threads", parts)]).run(None, {"x": x})[0]
+            for parts in ("0", "1", "2", "3", "64")]
+    assert all(np.array_equal(o, outs[0]) for o in outs[1:])
+    assert np.array_equal(blocks_session(w, 3).run(None, {"x": x})[0], outs[0])
+    with pytest.raises(Exception, match="specair.intra_op_threads must be a count of threads"):
+        blocks_session(w, 3, [("specair.intra_op_threads", "two")])
 
 
 def test_blocks_refuse_activations_of_another_width_and_a_short_layout():

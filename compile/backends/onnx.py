@@ -370,6 +370,9 @@ class OnnxBackend(Backend):
             # Per-session pools: a session's threads spin after its run and starve the next graph's.
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.kernels:
+            pool = _pool_threads if self._shared_pool else self.threads
+            if pool:  # products split into one part per thread of the pool (compile/kernels/ort_ops.cpp)
+                so.add_session_config_entry("specair.intra_op_threads", str(pool))
             so.register_custom_ops_library(str(kernels.library()))
         keepalive: list[Any] = [so]
         external = []

@@ -14,8 +14,12 @@
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
 
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "attention.h"
@@ -26,6 +30,11 @@
 namespace {
 
 constexpr int64_t kTilesPerTask = 4;
+
+// Parts a product splits into: one contiguous run of tiles per thread of the pool (the session option
+// specair.intra_op_threads; else every hardware thread; 0: small tasks taken in turn). As small tasks, the
+// threads' weight reads interleave, which streams markedly slower here (docs/performance.md).
+std::atomic<size_t> g_parts{0};
 
 struct Task {
   int format;
@@ -50,6 +59,7 @@ struct BlocksKernel {
   int format = -1;
   int64_t K = 0, N = 0;
   Prologue prologue = kNone;
+  size_t parts = 0;
   float eps = 0.0f;
   std::vector<int8_t> q8;
   std::vector<float> scale, sum, rows;
@@ -121,7 +131,7 @@ struct BlocksKernel {
     Task task{format, {q8.data(), scale.data(), sum.data(), isum.data()}, xf, M, K, N, tiles,
               records.GetTensorData<uint8_t>(), super, out};
     const size_t tasks = static_cast<size_t>((tiles + kTilesPerTask - 1) / kTilesPerTask);
-    if (OrtStatusPtr s = api.KernelContext_ParallelFor(context, run_task, tasks, 0, &task)) return s;
+    if (OrtStatusPtr s = api.KernelContext_ParallelFor(context, run_task, tasks, std::min(parts, tasks), &task)) return s;
     if (residual)
       for (int64_t i = 0; i < M * N; ++i) out[i] = residual[i] + out[i];
     return nullptr;
@@ -131,6 +141,7 @@ struct BlocksKernel {
 struct BlocksOp : Ort::CustomOpBase<BlocksOp, BlocksKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
     auto* k = new BlocksKernel{api};
+    k->parts = g_parts.load();
     if (auto* s = api.KernelInfoGetAttribute_int64(info, "K", &k->K)) return delete k, s;
     if (auto* s = api.KernelInfoGetAttribute_int64(info, "N", &k->N)) return delete k, s;
     char name[16] = {0};
@@ -448,7 +459,23 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
     domain->Add(&norm);
     domain->Add(&glu);
   });
-  return Ort::GetApi().AddCustomOpDomain(options, *domain);
+  const OrtApi& api = Ort::GetApi();
+  const char* key = "specair.intra_op_threads";
+  int has = 0;
+  size_t parts = std::max(1u, std::thread::hardware_concurrency());
+  if (OrtStatus* s = api.HasSessionConfigEntry(options, key, &has)) return s;
+  if (has) {
+    char value[32] = {0};
+    size_t size = sizeof value;
+    if (OrtStatus* s = api.GetSessionConfigEntry(options, key, value, &size)) return s;
+    char* end = nullptr;
+    const long n = std::strtol(value, &end, 10);
+    if (end == value || *end || n < 0)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string(key) + " must be a count of threads").c_str());
+    parts = static_cast<size_t>(n);
+  }
+  g_parts.store(parts);
+  return api.AddCustomOpDomain(options, *domain);
 }
 
 }  // extern "C"
