@@ -18,7 +18,7 @@ import torch
 
 from specair.models.config import ModelConfig, read_json_object
 from specair.models.errors import ModelFormatError
-from specair.models.llama import GGUF_PARTS, shard_layout, shard_slice, shard_state_dict  # noqa: F401
+from specair.models.llama import GGUF_PARTS, placeholder, shard_layout, shard_slice, shard_state_dict  # noqa: F401
 from specair.models.tokenizer import Tokenizer
 
 
@@ -48,14 +48,26 @@ class Checkpoint:
     stored: dict[str, StoredWeight] = field(default_factory=dict)
 
 
+_LINEAR = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight", ".gate_proj.weight",
+           ".up_proj.weight", ".down_proj.weight")
+
+
+def linear_weight(name: str) -> bool:
+    """Whether the HF-named tensor is a linear layer's weight (the LM head included, the embedding table not)."""
+    return name.endswith(_LINEAR) or name == "lm_head.weight"
+
+
 def load_checkpoint(
     path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, progress: bool = True,
-    shard: tuple[int, int] | None = None,
+    shard: tuple[int, int] | None = None, lazy_linear: bool = False,
 ) -> Checkpoint:
     """Load a checkpoint: None -> the default model, a directory -> HF safetensors dir, a file starting with
     `GGUF` -> GGUF, any other file -> llama2.c `.bin`. Weights come back in `dtype`. With `shard` (rank,
     world), only that rank's parts of each tensor (`shard_slice`): read alone from safetensors, cut from
-    the whole for GGUF and llama2.c (their tensors are quantized or interleaved as stored)."""
+    the whole for GGUF and llama2.c (their tensors are quantized or interleaved as stored). With
+    `lazy_linear` (HF directories and GGUF files, unsharded), linear weights are not read at all: each is a
+    `placeholder` of its shape, for a model whose compiled graphs read their own copies of them."""
+    lazy_linear = lazy_linear and shard is None
     if path is None:
         from specair.models.default_model import default_model_dir
 
@@ -64,7 +76,7 @@ def load_checkpoint(
         from specair.models.gguf_loader import load_stored
 
         cached = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-        ckpt = load_hf_dir(default_model_dir(cached, progress=progress), dtype, shard)
+        ckpt = load_hf_dir(default_model_dir(cached, progress=progress), dtype, shard, lazy_linear)
         if shard is None:  # the file's blocks, for kernels that read them as stored
             ckpt.stored = load_stored(default_gguf_path(), ckpt.config)
         return ckpt
@@ -72,8 +84,8 @@ def load_checkpoint(
     if not p.exists():
         raise ModelFormatError(f"{p}: no such file or directory")
     if p.is_dir():
-        return load_hf_dir(p, dtype, shard)
-    ckpt = _load_file(p, dtype, progress)
+        return load_hf_dir(p, dtype, shard, lazy_linear)
+    ckpt = _load_file(p, dtype, progress, lazy_linear)
     if shard is not None:
         ckpt.state_dict, ckpt.shard = shard_state_dict(ckpt.state_dict, ckpt.config, *shard), shard
         ckpt.stored = {}
@@ -139,7 +151,7 @@ def available_memory() -> int | None:
     return None
 
 
-def _load_file(p: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
+def _load_file(p: Path, dtype: torch.dtype, progress: bool, lazy_linear: bool = False) -> Checkpoint:
     try:
         with open(p, "rb") as f:
             magic = f.read(4)
@@ -148,7 +160,7 @@ def _load_file(p: Path, dtype: torch.dtype, progress: bool) -> Checkpoint:
     if magic == b"GGUF":
         from specair.models.gguf_loader import load_gguf
 
-        return load_gguf(p, dtype, progress=progress)
+        return load_gguf(p, dtype, progress=progress, lazy_linear=lazy_linear)
     if magic[:2] == b"PK" or magic[:1] == b"\x80":
         raise ModelFormatError(f"{p}: looks like a PyTorch pickle; specair refuses pickles (they can run code). "
                                "Convert it to safetensors and pass the directory holding config.json")
@@ -269,9 +281,10 @@ def checked_names(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, source: 
 # ---- HF safetensors directory ----
 
 def load_hf_dir(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                shard: tuple[int, int] | None = None) -> Checkpoint:
+                shard: tuple[int, int] | None = None, lazy_linear: bool = False) -> Checkpoint:
     """Load an HF model directory: config.json, model.safetensors (or a sharded index), tokenizer files;
-    with `shard` (rank, world), reading only that rank's part of each tensor (`shard_slice`)."""
+    with `shard` (rank, world), reading only that rank's part of each tensor (`shard_slice`); with
+    `lazy_linear` (unsharded), linear weights as placeholders (`load_checkpoint`)."""
     from safetensors import safe_open
 
     d = Path(directory)
@@ -309,6 +322,9 @@ def load_hf_dir(directory: str | os.PathLike, dtype: torch.dtype = torch.float32
 
     def tensor(st, name: str, f: Path) -> None:  # noqa: ANN001
         if name not in keep:
+            return
+        if lazy_linear and layout is None and linear_weight(name):
+            sd[name] = placeholder(shapes[name], dtype)
             return
         cut = None if layout is None else shard_slice(layout, name, cfg)
         if cut is None:

@@ -14,9 +14,10 @@ import numpy as np
 import torch
 
 from specair.models.checkpoint import (Checkpoint, CheckpointInfo, StoredWeight, check_state_dict, file_sha256,
-                                      interleaved_to_half)
+                                       interleaved_to_half, linear_weight)
 from specair.models.config import ModelConfig
 from specair.models.errors import ModelFormatError
+from specair.models.llama import placeholder
 from specair.models.tokenizer import Tokenizer
 
 # GGUF `general.architecture` -> HF architecture. llama.cpp permutes q/k rows of llama-family models for its
@@ -170,8 +171,11 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
     }
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = True) -> Checkpoint:
-    """Load a llama/mistral/qwen2/qwen3 GGUF file: dequantize every tensor to `dtype`, undo llama.cpp's q/k permutation."""
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = True,
+              lazy_linear: bool = False) -> Checkpoint:
+    """Load a llama/mistral/qwen2/qwen3 GGUF file: dequantize every tensor to `dtype`, undo llama.cpp's q/k
+    permutation; with `lazy_linear`, every linear weight is a placeholder of its shape instead (read by
+    compiled graphs from their own copies; the stored blocks stay known in `Checkpoint.stored`)."""
     from tqdm import tqdm
 
     path = Path(path)
@@ -180,8 +184,12 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progr
     arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
     cfg = ModelConfig.from_hf(gguf_hf_config(reader))
     sd: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", file=sys.stderr,
-                  disable=not progress, leave=False):
+    lazy = {t.name for t in reader.tensors if lazy_linear and linear_weight(hf_name(t.name) or "")}
+    for t in reader.tensors:
+        if t.name in lazy:  # GGML lists dimensions innermost first
+            sd[hf_name(t.name)] = placeholder((int(t.shape[1]), int(t.shape[0])), dtype)
+    for t in tqdm([t for t in reader.tensors if t.name not in lazy], desc=f"dequantizing {path.name}",
+                  unit="tensor", file=sys.stderr, disable=not progress, leave=False):
         name = hf_name(t.name)
         if name is None:
             continue  # rope_freqs (read into the config) and tensors specair does not use

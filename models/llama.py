@@ -433,6 +433,11 @@ def build_model(config: ModelConfig, state_dict: dict[str, Tensor], dtype: torch
         t = get(name)  # the last rank's rows past the vocabulary are zeros, sliced off when gathered
         return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
+    def cat(ts: list[Tensor]) -> Tensor:  # a lazily loaded checkpoint's placeholders stay placeholders
+        if all(is_placeholder(t) for t in ts):
+            return placeholder((sum(t.shape[0] for t in ts), *ts[0].shape[1:]), ts[0].dtype)
+        return torch.cat(ts)
+
     ours: dict[str, Tensor] = {"tok_embeddings.weight": vocab("model.embed_tokens.weight"),
                                "norm.weight": get("model.norm.weight")}
     if not config.tie_word_embeddings:
@@ -442,7 +447,7 @@ def build_model(config: ModelConfig, state_dict: dict[str, Tensor], dtype: torch
         att = p + "self_attn."
         ours[o + "attention_norm.weight"] = get(p + "input_layernorm.weight")
         ours[o + "ffn_norm.weight"] = get(p + "post_attention_layernorm.weight")
-        ours[o + "attention.wqkv.weight"] = torch.cat([get(att + f"{n}_proj.weight") for n in "qkv"])
+        ours[o + "attention.wqkv.weight"] = cat([get(att + f"{n}_proj.weight") for n in "qkv"])
         if config.attention_bias:
             ours[o + "attention.wqkv.bias"] = torch.cat([get(att + f"{n}_proj.bias") for n in "qkv"])
         ours[o + "attention.wo.weight"] = get(att + "o_proj.weight")
@@ -452,7 +457,7 @@ def build_model(config: ModelConfig, state_dict: dict[str, Tensor], dtype: torch
         if config.qk_norm:
             ours[o + "attention.q_norm.weight"] = get(att + "q_norm.weight")
             ours[o + "attention.k_norm.weight"] = get(att + "k_norm.weight")
-        ours[o + "feed_forward.w13.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+        ours[o + "feed_forward.w13.weight"] = cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         ours[o + "feed_forward.w2.weight"] = get(p + "mlp.down_proj.weight")
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     for name, t in ours.items():
@@ -497,6 +502,17 @@ def _attach_stored(model: Transformer, stored: dict[str, Any]) -> None:
         attach(model.output.weight, ["lm_head.weight" if "lm_head.weight" in stored else "model.embed_tokens.weight"])
 
 
+def placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A tensor of `shape` that holds no memory (a zero-stride view of one zero): a linear weight that only
+    compiled graphs read, from their own copies."""
+    return torch.zeros((), dtype=dtype).expand(shape)
+
+
+def is_placeholder(t: Tensor) -> bool:
+    """Whether `t` is a `placeholder` (or any view of one element spread over several)."""
+    return t.numel() > 1 and all(s == 0 for s in t.stride())
+
+
 def release_linear_weights(model: nn.Module) -> int:
     """Replace the weight of every nn.Linear under `model` by a placeholder of its shape that holds no memory (a
     zero-stride view of one zero): for a model whose linear layers only compiled graphs read, from their own
@@ -506,8 +522,7 @@ def release_linear_weights(model: nn.Module) -> int:
         if isinstance(m, nn.Linear) and id(m.weight) not in seen and m.weight.stride() != (0, 0):
             w = m.weight
             freed += w.numel() * w.element_size()
-            m.weight = nn.Parameter(torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape),
-                                    requires_grad=False)
+            m.weight = nn.Parameter(placeholder(w.shape, w.dtype).to(w.device), requires_grad=False)
             parts = getattr(w, GGUF_PARTS, None)
             if parts:  # what the weight is stored as stays known (its bytes per token), not its rows
                 setattr(m.weight, GGUF_PARTS, [dataclasses.replace(p, raw=np.empty(0, np.uint8)) for p in parts])

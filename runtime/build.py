@@ -42,15 +42,19 @@ class Models:
     tokenizer: Any
     draft: Transformer | None
     fingerprints: dict[str, Any]
+    lazy: bool = False  # linear weights not read (placeholders): fit for graphs that read their own copies only
 
 
-def load_model(path: str | None, dtype: str, tp: TensorParallel | None = None) -> tuple[Transformer, Any, str]:
+def load_model(path: str | None, dtype: str, tp: TensorParallel | None = None,
+               lazy: bool = False) -> tuple[Transformer, Any, str]:
     """A model (with `tp`, this rank's shard, of which it reads only its part), its tokenizer (None for
-    checkpoints without one) and its weights' fingerprint."""
+    checkpoints without one) and its weights' fingerprint. `lazy`: its linear weights are placeholders,
+    never read (`load_checkpoint`'s lazy_linear), for compiled graphs that hold their own copies."""
     t0 = time.perf_counter()
-    if tp is None:
+    if tp is None and not lazy:
         check_memory(path, DTYPES[dtype])
-    ckpt = load_checkpoint(path, dtype=DTYPES[dtype], shard=None if tp is None else (tp.rank, tp.world))
+    ckpt = load_checkpoint(path, dtype=DTYPES[dtype], shard=None if tp is None else (tp.rank, tp.world),
+                           lazy_linear=lazy)
     model = build_model(ckpt.config, ckpt.state_dict, DTYPES[dtype], tp, stored=ckpt.stored)
     log(f"loaded {ckpt.source} ({ckpt.config.model_type}, {ckpt.config.num_layers} layers, {dtype}) "
         f"in {time.perf_counter() - t0:.1f}s")
@@ -58,13 +62,16 @@ def load_model(path: str | None, dtype: str, tp: TensorParallel | None = None) -
 
 
 def load_models(path: str | None, dtype: str, spec: SpeculativeConfig | None, device: str = "cpu",
-                features: tuple[int, ...] | None = None, tp: TensorParallel | None = None) -> Models:
+                features: tuple[int, ...] | None = None, tp: TensorParallel | None = None,
+                lazy: bool = False) -> Models:
     """The target, its tokenizer and the model of the proposer the speculative config names (the proposer
     loads it: a draft checkpoint, the target's first layers, heads), all moved to `device`. `features`:
     the target's hidden output is the inputs of these layers and its final state (`with_features`), for
     distillation. With `tp`, this rank's shard of the target and of a draft model; heads stay whole on
-    every rank, reading the target's sharded embedding and LM head."""
-    target, tokenizer, fp = load_model(path, dtype, tp)
+    every rank, reading the target's sharded embedding and LM head. `lazy`: checkpoints' linear weights are
+    not read (`load_model`): for opening compiled graphs that read their own copies, never for building them."""
+    lazy = lazy and tp is None
+    target, tokenizer, fp = load_model(path, dtype, tp, lazy)
     fingerprints: dict[str, Any] = {"target": fp, "tokenizer": tokenizer_fingerprint(tokenizer), "dtype": dtype}
     if features is not None:
         target = with_features(target, tuple(features), final=True)
@@ -72,7 +79,7 @@ def load_models(path: str | None, dtype: str, spec: SpeculativeConfig | None, de
     draft = None
     if spec is not None:
         draft, draft_fp = proposer_class(spec.method).load(spec, target, tokenizer, path,
-                                                           lambda p: load_model(p, dtype, tp))
+                                                           lambda p: load_model(p, dtype, tp, lazy))
         if draft_fp is not None:
             fingerprints["draft"] = draft_fp
         target = proposer_class(spec.method).target_view(target, draft)
@@ -81,7 +88,7 @@ def load_models(path: str | None, dtype: str, spec: SpeculativeConfig | None, de
     if device != "cpu":
         target = target.to(device)
         draft = draft.to(device) if draft is not None else None
-    return Models(target, tokenizer, draft, fingerprints)
+    return Models(target, tokenizer, draft, fingerprints, lazy)
 
 
 def parse_spec(spec_json: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -215,10 +222,12 @@ def auto_backend(model: str | None, quantize: str | None = None, dtype: str = "f
     return "onnx", None
 
 
-def cached_artifacts(models: Models, plan: Plan, backend: Any, *, progress: bool = True) -> tuple[Path, dict[str, Any]]:
+def cached_artifacts(models: Models, plan: Plan, backend: Any, *, progress: bool = True,
+                     reload: Any = None) -> tuple[Path, dict[str, Any], Models]:
     """The artifact directory of this (models, plan, backend) in specair's cache, compiled once (with a
     progress bar) and reused by every later run; rebuilt when its manifest no longer matches (another
-    specair, onnxruntime or torch; changed weights). Returns the directory and its manifest."""
+    specair, onnxruntime or torch; changed weights). Lazily loaded models (`Models.lazy`) cannot be compiled:
+    `reload()` loads them whole first. Returns the directory, its manifest and the models."""
     import hashlib
 
     from specair.models.default_model import cache_dir, cache_lock
@@ -229,9 +238,13 @@ def cached_artifacts(models: Models, plan: Plan, backend: Any, *, progress: bool
     art = cache_dir() / "artifacts" / f"{backend.name}-{digest}"
     with cache_lock(f"artifacts-{digest}"):
         try:
-            return art, read_manifest(art)
+            return art, read_manifest(art), models
         except ArtifactError:
             pass
+        if models.lazy:
+            if reload is None:
+                raise ArtifactError(f"{art} is missing and the models were loaded without their linear weights")
+            models = reload()
         catalog = Catalog(models.target, plan, make_proposer(plan, models.target, models.draft))
         log(f"specair: compiling {len(catalog.keys())} {backend.name} graphs once into {art} (later runs load "
             f"them; `specair compile` builds other plans)")
@@ -240,7 +253,7 @@ def cached_artifacts(models: Models, plan: Plan, backend: Any, *, progress: bool
         log(f"specair: compiled in {time.perf_counter() - t0:.0f}s")
         if getattr(backend.quantization, "method", None) == "int4":
             _report_int4_cost(models, art)
-        return art, read_manifest(art)
+        return art, read_manifest(art), models
 
 
 def _report_int4_cost(models: Models, art: Path) -> None:
@@ -292,11 +305,14 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
         if backend != "eager":
             be = get_backend(backend, threads, quantize=quantize)
             spec = auto_spec(be, dtype, batch_buckets) if spec_auto else spec
-            models = load_models(model, dtype, spec, _device(be, device), features)
+            # graphs that read their own weight copies open from the cache without the float weights
+            load = lambda lazy: load_models(model, dtype, spec, _device(be, device), features,  # noqa: E731
+                                            lazy=lazy and be.reads_own_weights)
+            models = load(True)
             plan = _plan(models.target, spec, max_context or AUTO_MAX_CONTEXT, dtype, backend=be, draft=models.draft,
                          batch_buckets=batch_buckets,
                          variants=AUTO_VARIANTS if spec is None else AUTO_SPEC_VARIANTS)
-            art, manifest = cached_artifacts(models, plan, be)
+            art, manifest, models = cached_artifacts(models, plan, be, reload=lambda: load(False))
             return _artifact_engine(models, plan, be, art, manifest, f"remove {art} (specair rebuilds it)",
                                     max_waiting, name)
     if artifacts is None:
@@ -323,7 +339,8 @@ def open_engine(model: str | None = None, dtype: str = "fp32", spec_json: str | 
     if quantize is None:
         quantize = (manifest.get("quantization") or {}).get("method")
     be = get_backend(manifest["backend"], threads, quantize=quantize)
-    models = load_models(model, plan.dtype, plan.speculative, _device(be, device), features)
+    models = load_models(model, plan.dtype, plan.speculative, _device(be, device), features,
+                         lazy=getattr(be, "reads_own_weights", False))
     return _artifact_engine(models, plan, be, art, manifest, compile_command(model, plan, be.name, art, quantize),
                             max_waiting, name)
 
@@ -383,7 +400,7 @@ def _rank_engine(model: str | None, dtype: str, spec: SpeculativeConfig | None, 
         engine = make_engine(models.target, models.tokenizer, models.draft,
                              lambda cat: GraphSet(cat, be, None, True), plan, max_waiting, name)
     else:
-        art, manifest = cached_artifacts(models, plan, be, progress=tp.rank == 0)
+        art, manifest, models = cached_artifacts(models, plan, be, progress=tp.rank == 0)
         engine = _artifact_engine(models, plan, be, art, manifest, f"remove {art} (specair rebuilds it)",
                                   max_waiting, name)
         engine.graphs.load_pending()
@@ -401,7 +418,8 @@ def _artifact_engine(models: Models, plan: Plan, be: Any, art: Path, manifest: d
     q = (manifest.get("quantization") or {}).get("method")
     if getattr(be, "reads_own_weights", False):  # memory follows the work: the graphs hold their own copies
         freed = sum(release_linear_weights(m) for m in (models.target, models.draft) if isinstance(m, torch.nn.Module))
-        log(f"specair: released {freed / 2**20:.0f} MiB of float weights the compiled graphs do not read")
+        if freed:
+            log(f"specair: released {freed / 2**20:.0f} MiB of float weights the compiled graphs do not read")
     log(f"opened {len(manifest['graphs'])} {be.name} graphs from {art} in {time.perf_counter() - t0:.1f}s")
     _log_spec(plan, f"{be.name}{' ' + q if q else ''}")
     return engine

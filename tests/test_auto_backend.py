@@ -3,12 +3,15 @@ loaded (lazily, graph by graph) afterwards; and the OpenVINO GenAI benchmark pee
 
 import importlib.util
 import json
+import shutil
 
 import pytest
+import torch
 from helpers import save_tiny
 
 import specair.runtime.build as build
 from specair.compile.artifacts import read_manifest
+from specair.models.llama import is_placeholder
 from specair.runtime.build import auto_backend, open_engine, parse_spec
 from specair.runtime.llm import LLM
 from specair.runtime.params import SamplingParams
@@ -72,6 +75,28 @@ def test_auto_builds_once_into_the_cache_then_loads_lazily(tiny_dir, tmp_path, m
     save_tiny("llama", other, seed=5, max_position_embeddings=256)
     open_engine(str(other), spec_json=NGRAM, backend="auto", max_context=128)
     assert len(list((tmp_path / "artifacts").iterdir())) == 2
+
+
+def test_a_cached_int4_build_opens_without_reading_the_float_weights(tiny_dir, tmp_path, monkeypatch):
+    """Graphs that read their own int4 copies open from the cache with the checkpoint's linear weights never read
+    (placeholders that hold no memory) and give the first build's tokens; a lazily loaded model whose build is
+    gone is loaded whole before it is compiled again."""
+    monkeypatch.setenv("SPECAIR_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "AUTO_INT4_MIN_PARAMS", 1000)
+    expected = tokens(open_engine(str(tiny_dir), spec_json=NGRAM, backend="auto", max_context=128))
+    loads, real = [], build.load_models
+    monkeypatch.setattr(build, "load_models", lambda *a, **k: loads.append(k.get("lazy")) or real(*a, **k))
+    cached = open_engine(str(tiny_dir), spec_json=NGRAM, backend="auto", max_context=128)
+    assert loads == [True]
+    linear = [m.weight for m in cached.target.modules() if isinstance(m, torch.nn.Linear)]
+    assert linear and all(is_placeholder(w) for w in linear)
+    assert tokens(cached) == expected
+    (art,) = (tmp_path / "artifacts").iterdir()
+    shutil.rmtree(art)
+    loads.clear()
+    rebuilt = open_engine(str(tiny_dir), spec_json=NGRAM, backend="auto", max_context=128)
+    assert loads == [True, False] and read_manifest(art)["backend"] == "onnx"
+    assert tokens(rebuilt) == expected
 
 
 def test_a_broken_cached_build_is_rebuilt(tiny_dir, tmp_path, monkeypatch):

@@ -136,6 +136,34 @@ def test_gguf_tiny_round_trip(tmp_path, qtype):
         assert (ckpt.state_dict[name] - t).abs().max() <= tol, name  # and close to the source, q/k included
 
 
+@pytest.mark.parametrize("fmt", ["gguf", "hf"])
+def test_lazy_loads_read_every_tensor_but_the_linear_weights(tmp_path, fmt):
+    """lazy_linear: linear weights (the LM head included) are placeholders of their shapes holding no memory;
+    every other tensor, the stored blocks and the fingerprint are the full load's."""
+    cfg = tiny_config()
+    sd = random_state(cfg)
+    if fmt == "gguf":
+        write_gguf(tmp_path / "m.gguf", cfg, sd, Q.Q8_0)
+        path = tmp_path / "m.gguf"
+    else:
+        save_file(sd, str(tmp_path / "model.safetensors"))
+        (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+        path = tmp_path
+    full, lazy = load_checkpoint(path, progress=False), load_checkpoint(path, progress=False, lazy_linear=True)
+    assert lazy.state_dict.keys() == full.state_dict.keys() and lazy.fingerprint == full.fingerprint
+    linear = {n for n in full.state_dict if n.endswith("proj.weight") or n == "lm_head.weight"}
+    assert "lm_head.weight" in linear and len(linear) == 1 + 7 * cfg.num_layers
+    for name, t in full.state_dict.items():
+        got = lazy.state_dict[name]
+        if name in linear:
+            assert got.shape == t.shape and got.dtype == t.dtype and set(got.stride()) == {0}
+        else:
+            assert torch.equal(got, t), name
+    assert lazy.stored.keys() == full.stored.keys()
+    assert all(np.array_equal(lazy.stored[n].raw, w.raw) for n, w in full.stored.items())
+    assert (len(full.stored) > 0) == (fmt == "gguf")
+
+
 def test_gguf_tiny_matches_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
