@@ -433,16 +433,42 @@ class WeightQuantizer:
         """Drop every weight's result (and the reference to the weight it holds)."""
         self._done.clear()
 
+    def _stored_table(self, n, tensors: dict[str, Tensor]) -> tuple[Any, dict[str, np.ndarray]] | None:
+        """For a `Gather` of rows from a table stored as blocks of one format (a GGUF file's embedding), the
+        `GatherBlocks` node that looks them up in the kernel's layout, sharing a tied LM head's arrays; else None."""
+        from onnx import helper
+
+        if n.op_type != "Gather" or n.domain or self.q.kernel != kernels.OP or n.input[0] not in tensors:
+            return None
+        w = tensors[n.input[0]]
+        if w.dim() != 2 or not getattr(w, GGUF_PARTS, None) or any(a.name == "axis" and a.i for a in n.attribute):
+            return None
+        tpl = self.template(w)
+        if len(tpl.nodes) != 1:  # rows in several formats: the float table stays
+            return None
+        blocks = tpl.nodes[0]
+        weights = [n.input[0] + name[len(_PLACEHOLDER_W):] for name in blocks.input[1:]]
+        attrs = {a.name: helper.get_attribute_value(a) for a in blocks.attribute}
+        node = helper.make_node(kernels.GATHER, [n.input[1], *weights], list(n.output), name=f"{n.name}/blocks",
+                                domain=kernels.DOMAIN, K=attrs["K"], N=attrs["N"], format=attrs["format"].decode())
+        return node, {n.input[0] + s: a for s, a in tpl.arrays.items()}
+
     def rewrite(self, model, tensors: dict[str, Tensor]) -> dict[str, np.ndarray]:
         """Replace every `MatMul(x, Transpose(W, perm=[1, 0]))` reading a 2-D module weight by the quantized
-        subgraph; drop the transposes and weight inputs nothing reads any more. Returns the new tensors by
-        initializer name."""
+        subgraph, and every lookup in a table stored as blocks by `GatherBlocks`; drop the transposes and weight
+        inputs nothing reads any more. Returns the new tensors by initializer name."""
         from onnx import helper
 
         g = model.graph
         producer = {o: n for n in g.node for o in n.output}
         new_nodes, arrays, opsets = [], {}, {}
         for n in g.node:
+            table = self._stored_table(n, tensors)
+            if table is not None:
+                new_nodes.append(table[0])
+                arrays.update(table[1])
+                opsets[kernels.DOMAIN] = 1
+                continue
             tr = producer.get(n.input[1]) if n.op_type == "MatMul" and not n.domain else None
             w = tr.input[0] if tr is not None and tr.op_type == "Transpose" else None
             perm = [list(a.ints) for a in tr.attribute if a.name == "perm"] if w is not None else None

@@ -66,7 +66,8 @@ def load_checkpoint(
     world), only that rank's parts of each tensor (`shard_slice`): read alone from safetensors, cut from
     the whole for GGUF and llama2.c (their tensors are quantized or interleaved as stored). With
     `lazy_linear` (HF directories and GGUF files, unsharded), linear weights are not read at all: each is a
-    `placeholder` of its shape, for a model whose compiled graphs read their own copies of them."""
+    `placeholder` of its shape, for a model whose compiled graphs read their own copies of them; so is the
+    embedding table where the file stores it as blocks (the graphs look its rows up in them)."""
     lazy_linear = lazy_linear and shard is None
     if path is None:
         from specair.models.default_model import default_model_dir
@@ -79,6 +80,9 @@ def load_checkpoint(
         ckpt = load_hf_dir(default_model_dir(cached, progress=progress), dtype, shard, lazy_linear)
         if shard is None:  # the file's blocks, for kernels that read them as stored
             ckpt.stored = load_stored(default_gguf_path(), ckpt.config)
+            embed = "model.embed_tokens.weight"
+            if lazy_linear and embed in ckpt.stored:  # looked up in its blocks, as load_gguf leaves it
+                ckpt.state_dict[embed] = placeholder(tuple(ckpt.state_dict[embed].shape), dtype)
         return ckpt
     p = Path(path).expanduser()
     if not p.exists():

@@ -171,11 +171,15 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
     }
 
 
+_EMBED = "model.embed_tokens.weight"
+
+
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = True,
               lazy_linear: bool = False) -> Checkpoint:
     """Load a llama/mistral/qwen2/qwen3 GGUF file: dequantize every tensor to `dtype`, undo llama.cpp's q/k
-    permutation; with `lazy_linear`, every linear weight is a placeholder of its shape instead (read by
-    compiled graphs from their own copies; the stored blocks stay known in `Checkpoint.stored`)."""
+    permutation; with `lazy_linear`, every linear weight, and the embedding table of a quantized file, is a
+    placeholder of its shape instead (read by compiled graphs from their own copies; the stored blocks stay
+    known in `Checkpoint.stored`)."""
     from tqdm import tqdm
 
     path = Path(path)
@@ -184,7 +188,10 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progr
     arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
     cfg = ModelConfig.from_hf(gguf_hf_config(reader))
     sd: dict[str, torch.Tensor] = {}
-    lazy = {t.name for t in reader.tensors if lazy_linear and linear_weight(hf_name(t.name) or "")}
+    stored = stored_weights(reader, cfg)
+    # lazily, an embedding stored as blocks is looked up in them too (GatherBlocks): no float table
+    lazy = {t.name for t in reader.tensors if lazy_linear and (linear_weight(hf_name(t.name) or "")
+                                                               or hf_name(t.name) == _EMBED and _EMBED in stored)}
     for t in reader.tensors:
         if t.name in lazy:  # GGML lists dimensions innermost first
             sd[hf_name(t.name)] = placeholder((int(t.shape[1]), int(t.shape[0])), dtype)
@@ -199,7 +206,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progr
         sd[name] = w.to(dtype)
     sd = check_state_dict(sd, cfg, str(path))
     tokenizer = Tokenizer.from_gguf(reader) if "tokenizer.ggml.model" in reader.fields else None
-    return Checkpoint(cfg, sd, tokenizer, str(path), file_sha256([path]), stored=stored_weights(reader, cfg, set(sd)))
+    return Checkpoint(cfg, sd, tokenizer, str(path), file_sha256([path]),
+                      stored={n: w for n, w in stored.items() if n in sd})
 
 
 def stored_weights(reader: Any, cfg: ModelConfig, names: set[str] | None = None) -> dict[str, StoredWeight]:

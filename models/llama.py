@@ -496,9 +496,8 @@ def _attach_stored(model: Transformer, stored: dict[str, Any]) -> None:
         attach(block.attention.wo.weight, [p + "self_attn.o_proj.weight"])
         attach(block.feed_forward.w13.weight, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
         attach(block.feed_forward.w2.weight, [p + "mlp.down_proj.weight"])
-    if model.output is None:
-        attach(model.tok_embeddings.weight, ["model.embed_tokens.weight"])
-    else:
+    attach(model.tok_embeddings.weight, ["model.embed_tokens.weight"])  # its rows, looked up as stored
+    if model.output is not None:
         attach(model.output.weight, ["lm_head.weight" if "lm_head.weight" in stored else "model.embed_tokens.weight"])
 
 
@@ -516,10 +515,12 @@ def is_placeholder(t: Tensor) -> bool:
 def release_linear_weights(model: nn.Module) -> int:
     """Replace the weight of every nn.Linear under `model` by a placeholder of its shape that holds no memory (a
     zero-stride view of one zero): for a model whose linear layers only compiled graphs read, from their own
-    copies (specair's int4 kernels). Embeddings stay (a lookup reads the table). Returns the bytes freed."""
+    copies (specair's int4 kernels). An embedding table goes too where its rows are stored blocks (GGUF_PARTS:
+    the graphs look them up in their own copy); a float one stays. Returns the bytes freed."""
     freed, seen = 0, set()
     for m in model.modules():
-        if isinstance(m, nn.Linear) and id(m.weight) not in seen and m.weight.stride() != (0, 0):
+        stored_table = isinstance(m, nn.Embedding) and getattr(m.weight, GGUF_PARTS, None)
+        if (isinstance(m, nn.Linear) or stored_table) and id(m.weight) not in seen and m.weight.stride() != (0, 0):
             w = m.weight
             freed += w.numel() * w.element_size()
             m.weight = nn.Parameter(placeholder(w.shape, w.dtype).to(w.device), requires_grad=False)

@@ -172,6 +172,26 @@ def test_block_paths_agree_bitwise_at_the_integer_limits():
     assert len(digests) == 1
 
 
+@pytest.mark.parametrize("name", sorted(formats.FORMATS))
+def test_gather_blocks_looks_rows_up_as_gguf_dequantizes_them(name):
+    """GatherBlocks (an embedding stored as blocks): each row is gguf's own dequantization of that row, bit for
+    bit, for indices of any shape, negative ones counted from the end as Gather does; an index outside the
+    table is refused."""
+    N, K = 40, 256  # a partial last tile
+    w = formats.pack_gguf(name, gguf_rows(name, N, K), K)
+    full = kernels.dequantize(w)
+    inputs = ["ids", "r"] + ([] if w.super is None else ["s"])
+    inits = [numpy_helper.from_array(w.records, "r")] + ([] if w.super is None else [numpy_helper.from_array(w.super, "s")])
+    node = helper.make_node(kernels.GATHER, inputs, ["y"], domain=kernels.DOMAIN, K=K, N=N, format=name)
+    s = _session([node], [helper.make_tensor_value_info("ids", TensorProto.INT64, [None, None])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, K])], inits)
+    ids = np.array([[0, 17, 39], [-1, 16, 5]], np.int64)
+    got = s.run(None, {"ids": ids})[0]
+    assert got.shape == (2, 3, K) and np.array_equal(got, full[ids % N])
+    with pytest.raises(Exception, match="outside the table's 40 rows"):
+        s.run(None, {"ids": np.array([[40]], np.int64)})
+
+
 def test_a_product_has_the_same_bits_however_many_parts_it_splits_into():
     """specair.intra_op_threads sets how many contiguous parts a product splits into (0: small tasks taken in
     turn); each output column is one thread's work whatever the split, so the bits do not change."""

@@ -138,8 +138,9 @@ def test_gguf_tiny_round_trip(tmp_path, qtype):
 
 @pytest.mark.parametrize("fmt", ["gguf", "hf"])
 def test_lazy_loads_read_every_tensor_but_the_linear_weights(tmp_path, fmt):
-    """lazy_linear: linear weights (the LM head included) are placeholders of their shapes holding no memory;
-    every other tensor, the stored blocks and the fingerprint are the full load's."""
+    """lazy_linear: linear weights (the LM head included, and a quantized file's embedding table, looked up in
+    its blocks) are placeholders of their shapes holding no memory; every other tensor, the stored blocks and
+    the fingerprint are the full load's."""
     cfg = tiny_config()
     sd = random_state(cfg)
     if fmt == "gguf":
@@ -153,6 +154,8 @@ def test_lazy_loads_read_every_tensor_but_the_linear_weights(tmp_path, fmt):
     assert lazy.state_dict.keys() == full.state_dict.keys() and lazy.fingerprint == full.fingerprint
     linear = {n for n in full.state_dict if n.endswith("proj.weight") or n == "lm_head.weight"}
     assert "lm_head.weight" in linear and len(linear) == 1 + 7 * cfg.num_layers
+    if fmt == "gguf":
+        linear.add("model.embed_tokens.weight")
     for name, t in full.state_dict.items():
         got = lazy.state_dict[name]
         if name in linear:

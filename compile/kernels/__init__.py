@@ -29,7 +29,7 @@ from specair.compile.kernels.formats import FORMATS, PackedWeight  # noqa: F401 
 from specair.models.errors import SpecairError
 
 OP, ATTENTION, FILTER, DOMAIN = "MatMulBlocks", "CacheAttention", "FilteredProbs", "specair.ort"
-RMSNORM, SWIGLU = "RMSNorm", "SwiGLU"
+RMSNORM, SWIGLU, GATHER = "RMSNorm", "SwiGLU", "GatherBlocks"
 _SOURCES = ("blocks.h", "blocks.cpp", "rowwise.h", "rowwise.cpp", "exp.h", "lanes.h", "lanes_exp.inc", "attention.h", "attention_simd.inc", "attention.cpp", "sampling.h",
             "sampling.cpp", "ort_ops.cpp")
 _HERE = Path(__file__).parent

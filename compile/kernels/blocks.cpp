@@ -668,6 +668,17 @@ const Dispatch& dispatch() {
   return d;
 }
 
+// Weights of column c of block record w (super-block parameters s) into row[0..31].
+template <int F>
+inline void dequantize_block(const uint8_t* w, const uint8_t* s, int c, float* row) {
+  float ws[2], wm;
+  column_scales<F>(w, s, c, ws, &wm);
+  for (int k = 0; k < kBlock; ++k) {
+    const float v = ws[k >> 4] * static_cast<float>(code_at<F>(w, c, k) - Fmt<F>::offset);
+    row[k] = Fmt<F>::scale == kPerBlockMin || Fmt<F>::scale == kSuperMin ? v + wm : v;
+  }
+}
+
 template <int F>
 void dequantize_format(int64_t K, int64_t N, const uint8_t* rec, const uint8_t* sup, float* out) {
   const int64_t nb = K / kBlock, nsb = nb / kSuper, tiles = (N + kTile - 1) / kTile;
@@ -675,16 +686,17 @@ void dequantize_format(int64_t K, int64_t N, const uint8_t* rec, const uint8_t* 
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* w = rec + (t * nb + b) * kRecord<F>;
       const uint8_t* s = kSuperBytes<F> ? sup + (t * nsb + b / kSuper) * kSuperBytes<F> : nullptr;
-      for (int c = 0; c < kTile && t * kTile + c < N; ++c) {
-        float ws[2], wm;
-        column_scales<F>(w, s, c, ws, &wm);
-        float* row = out + (t * kTile + c) * K + b * kBlock;
-        for (int k = 0; k < kBlock; ++k) {
-          const float v = ws[k >> 4] * static_cast<float>(code_at<F>(w, c, k) - Fmt<F>::offset);
-          row[k] = Fmt<F>::scale == kPerBlockMin || Fmt<F>::scale == kSuperMin ? v + wm : v;
-        }
-      }
+      for (int c = 0; c < kTile && t * kTile + c < N; ++c) dequantize_block<F>(w, s, c, out + (t * kTile + c) * K + b * kBlock);
     }
+}
+
+template <int F>
+void dequantize_row(int64_t K, const uint8_t* rec, const uint8_t* sup, int64_t n, float* out) {
+  const int64_t nb = K / kBlock, nsb = nb / kSuper, t = n / kTile;
+  for (int64_t b = 0; b < nb; ++b)
+    dequantize_block<F>(rec + (t * nb + b) * kRecord<F>,
+                        kSuperBytes<F> ? sup + (t * nsb + b / kSuper) * kSuperBytes<F> : nullptr,
+                        static_cast<int>(n % kTile), out + b * kBlock);
 }
 
 }  // namespace
@@ -729,6 +741,23 @@ void blocks_dequantize(int format, int64_t K, int64_t N, const uint8_t* records,
     return;
   }
   fns[format](K, N, records, super, w);
+}
+
+void blocks_row(int format, int64_t K, const uint8_t* records, const uint8_t* super, int64_t n, float* w) {
+  using Fn = void (*)(int64_t, const uint8_t*, const uint8_t*, int64_t, float*);
+  static const Fn fns[kF16] = {dequantize_row<kQ4_0>, dequantize_row<kQ4_1>, dequantize_row<kQ5_0>,
+                               dequantize_row<kQ5_1>, dequantize_row<kQ8_0>, dequantize_row<kQ4_K>,
+                               dequantize_row<kQ5_K>, dequantize_row<kQ6_K>};
+  if (is_float(format)) {
+    const int64_t R = kInfo[format].record;
+    for (int64_t k = 0; k < K; ++k) {
+      const uint8_t* rec = records + ((n / kTile) * (K / kBlock) + k / kBlock) * R;
+      const int64_t i = (k % kBlock) * kTile + n % kTile;
+      w[k] = format == kF16 ? float_at<kF16>(rec, i) : float_at<kF32>(rec, i);
+    }
+    return;
+  }
+  fns[format](K, records, super, n, w);
 }
 
 }  // namespace specair

@@ -79,4 +79,7 @@ void blocks_tiles(int format, const Q8Rows& x, const float* xf, int64_t M, int64
 // The weights the layout holds, w [N][K] in float32.
 void blocks_dequantize(int format, int64_t K, int64_t N, const uint8_t* records, const uint8_t* super, float* w);
 
+// Row n of those weights, w [K]: what blocks_dequantize gives for it, bit for bit.
+void blocks_row(int format, int64_t K, const uint8_t* records, const uint8_t* super, int64_t n, float* w);
+
 }  // namespace specair

@@ -3,6 +3,8 @@
 //   MatMulBlocks(x [..., K] float, records uint8, super uint8 (K-quants) in blocks.h's layout; K, N, format)
 //     -> [..., N]: a GGUF-quantized linear layer (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; F16, F32),
 //     row-independent.
+//   GatherBlocks(indices int64 [...], records, super; K, N, format) -> [..., K]: rows of such a table (an
+//     embedding), dequantized exactly.
 //   CacheAttention(q, k, v [B, T, *], k_cache, v_cache [B, Hkv, S, D], seqlens_k int32 [B], total int32,
 //                  bias [Bb, 1, T, S]?; num_heads, kv_num_heads, scale) -> out [B, T, H*D], k_present, v_present:
 //     GroupQueryAttention's contract (RoPE applied before), computed row-independently (attention.h); with
@@ -181,6 +183,79 @@ struct BlocksOp : Ort::CustomOpBase<BlocksOp, BlocksKernel, true> {
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i >= 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+// Rows of a block-quantized table (an embedding), dequantized as blocks_dequantize would: Gather's contract
+// for axis 0 (an index in [-N, N)), on the table as MatMulBlocks reads it, so no float copy of it is held.
+struct GatherKernel {
+  const OrtApi& api;
+  int format = -1;
+  int64_t K = 0, N = 0;
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    const Ort::ConstValue ids = ctx.GetInput(0), records = ctx.GetInput(1);
+    const specair::FormatInfo& info = specair::format_info(format);
+    const int64_t tiles = (N + specair::kTile - 1) / specair::kTile, nb = K / specair::kBlock;
+    const uint8_t* super = nullptr;
+    if (info.super) {
+      const Ort::ConstValue s = ctx.GetInputCount() > 2 ? ctx.GetInput(2) : Ort::ConstValue{nullptr};
+      if (!s || s.GetTensorTypeAndShapeInfo().GetElementCount() !=
+                    static_cast<size_t>(tiles * (nb / specair::kSuper) * info.super))
+        return error(std::string(info.name) + " super-block parameters do not match K and N");
+      super = s.GetTensorData<uint8_t>();
+    }
+    if (records.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(tiles * nb * info.record))
+      return error(std::string(info.name) + " blocks do not match K = " + std::to_string(K) + ", N = " +
+                   std::to_string(N));
+    std::vector<int64_t> shape = ids.GetTensorTypeAndShapeInfo().GetShape();
+    const size_t count = ids.GetTensorTypeAndShapeInfo().GetElementCount();
+    shape.push_back(K);
+    float* out = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
+    const int64_t* id = ids.GetTensorData<int64_t>();
+    for (size_t i = 0; i < count; ++i) {
+      const int64_t n = id[i] < 0 ? id[i] + N : id[i];
+      if (n < 0 || n >= N) return error("index " + std::to_string(id[i]) + " is outside the table's " + std::to_string(N) + " rows");
+      specair::blocks_row(format, K, records.GetTensorData<uint8_t>(), super, n, out + i * K);
+    }
+    return nullptr;
+  }
+
+  OrtStatusPtr error(const std::string& what) const {
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, ("specair GatherBlocks: " + what).c_str());
+  }
+};
+
+struct GatherOp : Ort::CustomOpBase<GatherOp, GatherKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    auto* k = new GatherKernel{api};
+    if (auto* s = api.KernelInfoGetAttribute_int64(info, "K", &k->K)) return delete k, s;
+    if (auto* s = api.KernelInfoGetAttribute_int64(info, "N", &k->N)) return delete k, s;
+    char name[16] = {0};
+    size_t size = sizeof name;
+    if (auto* s = api.KernelInfoGetAttribute_string(info, "format", name, &size)) return delete k, s;
+    k->format = specair::format_by_name(name);
+    const int64_t step = k->format < 0 ? 1 : specair::format_info(k->format).super ? specair::kBlock * specair::kSuper
+                                                                                      : specair::kBlock;
+    if (k->format < 0 || k->K <= 0 || k->K % step || k->N <= 0) {
+      delete k;
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string("specair GatherBlocks: format ") + name +
+                                                     " with K a positive multiple of its block, N positive").c_str());
+    }
+    *kernel = k;
+    return nullptr;
+  }
+  const char* GetName() const { return "GatherBlocks"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 3; }  // indices, records, super (K-quants)
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i == 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
@@ -445,6 +520,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
                                                                                  const OrtApiBase* base) {
   static std::once_flag once;
   static BlocksOp op;
+  static GatherOp gather;
   static AttentionOp attention;
   static FilterOp filter;
   static RowsOp<false> norm;
@@ -454,6 +530,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
     Ort::InitApi(base->GetApi(ORT_API_VERSION));
     domain = new Ort::CustomOpDomain("specair.ort");  // lives as long as the process: sessions keep using it
     domain->Add(&op);
+    domain->Add(&gather);
     domain->Add(&attention);
     domain->Add(&filter);
     domain->Add(&norm);
