@@ -38,6 +38,23 @@ constexpr int64_t kTilesPerTask = 4;
 // threads' weight reads interleave, which streams markedly slower here (docs/performance.md).
 std::atomic<size_t> g_parts{0};
 
+// A table of `format` [N][K] in blocks.h's layout: the records (input 1) and, for the K-quants, the
+// super-block parameters (input 2, returned in *super) must be its sizes; what is wrong, else "".
+std::string check_layout(Ort::KernelContext& ctx, int format, int64_t K, int64_t N, const uint8_t** super) {
+  const specair::FormatInfo& info = specair::format_info(format);
+  const int64_t tiles = (N + specair::kTile - 1) / specair::kTile, nb = K / specair::kBlock;
+  if (info.super) {
+    const Ort::ConstValue s = ctx.GetInputCount() > 2 ? ctx.GetInput(2) : Ort::ConstValue{nullptr};
+    if (!s || s.GetTensorTypeAndShapeInfo().GetElementCount() !=
+                  static_cast<size_t>(tiles * (nb / specair::kSuper) * info.super))
+      return std::string(info.name) + " super-block parameters do not match K and N";
+    *super = s.GetTensorData<uint8_t>();
+  }
+  if (ctx.GetInput(1).GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(tiles * nb * info.record))
+    return std::string(info.name) + " blocks do not match K = " + std::to_string(K) + ", N = " + std::to_string(N);
+  return "";
+}
+
 struct Task {
   int format;
   specair::Q8Rows x;
@@ -74,23 +91,13 @@ struct BlocksKernel {
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
     const Ort::ConstValue x = ctx.GetInput(0), records = ctx.GetInput(1);
-    const specair::FormatInfo& info = specair::format_info(format);
     std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
     const int64_t width = prologue == kSwiGlu ? 2 * K : K;
     if (shape.empty() || shape.back() != width)
       return error("x's last dimension must be " + std::to_string(width) + (prologue == kSwiGlu ? " (2K)" : " (K)"));
-    const int64_t tiles = (N + specair::kTile - 1) / specair::kTile, nb = K / specair::kBlock;
     const uint8_t* super = nullptr;
-    if (info.super) {
-      const Ort::ConstValue s = ctx.GetInputCount() > 2 ? ctx.GetInput(2) : Ort::ConstValue{nullptr};
-      if (!s || s.GetTensorTypeAndShapeInfo().GetElementCount() !=
-                    static_cast<size_t>(tiles * (nb / specair::kSuper) * info.super))
-        return error(std::string(info.name) + " super-block parameters do not match K and N");
-      super = s.GetTensorData<uint8_t>();
-    }
-    if (records.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(tiles * nb * info.record))
-      return error(std::string(info.name) + " blocks do not match K = " + std::to_string(K) + ", N = " +
-                   std::to_string(N));
+    if (std::string e = check_layout(ctx, format, K, N, &super); !e.empty()) return error(e);
+    const int64_t tiles = (N + specair::kTile - 1) / specair::kTile, nb = K / specair::kBlock;
     int64_t M = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) M *= shape[i];
     shape.back() = N;
@@ -198,19 +205,8 @@ struct GatherKernel {
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
     const Ort::ConstValue ids = ctx.GetInput(0), records = ctx.GetInput(1);
-    const specair::FormatInfo& info = specair::format_info(format);
-    const int64_t tiles = (N + specair::kTile - 1) / specair::kTile, nb = K / specair::kBlock;
     const uint8_t* super = nullptr;
-    if (info.super) {
-      const Ort::ConstValue s = ctx.GetInputCount() > 2 ? ctx.GetInput(2) : Ort::ConstValue{nullptr};
-      if (!s || s.GetTensorTypeAndShapeInfo().GetElementCount() !=
-                    static_cast<size_t>(tiles * (nb / specair::kSuper) * info.super))
-        return error(std::string(info.name) + " super-block parameters do not match K and N");
-      super = s.GetTensorData<uint8_t>();
-    }
-    if (records.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(tiles * nb * info.record))
-      return error(std::string(info.name) + " blocks do not match K = " + std::to_string(K) + ", N = " +
-                   std::to_string(N));
+    if (std::string e = check_layout(ctx, format, K, N, &super); !e.empty()) return error(e);
     std::vector<int64_t> shape = ids.GetTensorTypeAndShapeInfo().GetShape();
     const size_t count = ids.GetTensorTypeAndShapeInfo().GetElementCount();
     shape.push_back(K);
