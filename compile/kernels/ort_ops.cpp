@@ -55,6 +55,25 @@ std::string check_layout(Ort::KernelContext& ctx, int format, int64_t K, int64_t
   return "";
 }
 
+// The K, N and format attributes of an op over a block table (`op` names it in errors), checked: a known
+// format, K a positive multiple of its block (of its super-block for the K-quants), N positive.
+OrtStatusPtr table_attributes(const OrtApi& api, const OrtKernelInfo* info, const char* op, int64_t& K, int64_t& N,
+                              int& format) {
+  if (auto* s = api.KernelInfoGetAttribute_int64(info, "K", &K)) return s;
+  if (auto* s = api.KernelInfoGetAttribute_int64(info, "N", &N)) return s;
+  char name[16] = {0};
+  size_t size = sizeof name;
+  if (auto* s = api.KernelInfoGetAttribute_string(info, "format", name, &size)) return s;
+  format = specair::format_by_name(name);
+  const std::string where = std::string("specair ") + op + ": ";
+  if (format < 0) return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "unknown format " + name).c_str());
+  const int64_t step = specair::format_info(format).super ? specair::kBlock * specair::kSuper : specair::kBlock;
+  if (K <= 0 || K % step || N <= 0)
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "K must be a positive multiple of " + std::to_string(step) +
+                                                   " for " + name + ", N positive").c_str());
+  return nullptr;
+}
+
 struct Task {
   int format;
   specair::Q8Rows x;
@@ -151,18 +170,9 @@ struct BlocksOp : Ort::CustomOpBase<BlocksOp, BlocksKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
     auto* k = new BlocksKernel{api};
     k->parts = g_parts.load();
-    if (auto* s = api.KernelInfoGetAttribute_int64(info, "K", &k->K)) return delete k, s;
-    if (auto* s = api.KernelInfoGetAttribute_int64(info, "N", &k->N)) return delete k, s;
-    char name[16] = {0};
-    size_t size = sizeof name;
-    if (auto* s = api.KernelInfoGetAttribute_string(info, "format", name, &size)) return delete k, s;
-    k->format = specair::format_by_name(name);
-    if (k->format < 0) {
-      delete k;
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string("specair MatMulBlocks: unknown format ") + name).c_str());
-    }
+    if (auto* s = table_attributes(api, info, "MatMulBlocks", k->K, k->N, k->format)) return delete k, s;
     char pro[16] = {0};
-    size = sizeof pro;
+    size_t size = sizeof pro;
     if (auto* s = api.KernelInfoGetAttribute_string(info, "prologue", pro, &size)) {
       api.ReleaseStatus(s);  // optional: none
     } else if (std::string(pro) == "rmsnorm" || std::string(pro) == "swiglu") {
@@ -172,12 +182,6 @@ struct BlocksOp : Ort::CustomOpBase<BlocksOp, BlocksKernel, true> {
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string("specair MatMulBlocks: unknown prologue ") + pro).c_str());
     }
     if (auto* s = api.KernelInfoGetAttribute_float(info, "epsilon", &k->eps)) api.ReleaseStatus(s);
-    const int64_t step = specair::format_info(k->format).super ? specair::kBlock * specair::kSuper : specair::kBlock;
-    if (k->K <= 0 || k->K % step || k->N <= 0) {
-      delete k;
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, ("specair MatMulBlocks: K must be a positive multiple of " +
-                                                     std::to_string(step) + " for " + name).c_str());
-    }
     *kernel = k;
     return nullptr;
   }
@@ -228,19 +232,7 @@ struct GatherKernel {
 struct GatherOp : Ort::CustomOpBase<GatherOp, GatherKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
     auto* k = new GatherKernel{api};
-    if (auto* s = api.KernelInfoGetAttribute_int64(info, "K", &k->K)) return delete k, s;
-    if (auto* s = api.KernelInfoGetAttribute_int64(info, "N", &k->N)) return delete k, s;
-    char name[16] = {0};
-    size_t size = sizeof name;
-    if (auto* s = api.KernelInfoGetAttribute_string(info, "format", name, &size)) return delete k, s;
-    k->format = specair::format_by_name(name);
-    const int64_t step = k->format < 0 ? 1 : specair::format_info(k->format).super ? specair::kBlock * specair::kSuper
-                                                                                      : specair::kBlock;
-    if (k->format < 0 || k->K <= 0 || k->K % step || k->N <= 0) {
-      delete k;
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string("specair GatherBlocks: format ") + name +
-                                                     " with K a positive multiple of its block, N positive").c_str());
-    }
+    if (auto* s = table_attributes(api, info, "GatherBlocks", k->K, k->N, k->format)) return delete k, s;
     *kernel = k;
     return nullptr;
   }
