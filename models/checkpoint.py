@@ -52,9 +52,19 @@ _LINEAR = (".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight
            ".up_proj.weight", ".down_proj.weight")
 
 
+EMBED = "model.embed_tokens.weight"
+
+
 def linear_weight(name: str) -> bool:
     """Whether the HF-named tensor is a linear layer's weight (the LM head included, the embedding table not)."""
     return name.endswith(_LINEAR) or name == "lm_head.weight"
+
+
+def lazy_tensor(name: str, stored: dict[str, StoredWeight] | frozenset) -> bool:
+    """Whether a lazy load (`load_checkpoint`'s lazy_linear) leaves the HF-named tensor a placeholder: every
+    linear weight, and the embedding table where the file stores it as blocks (`stored`; the graphs look its
+    rows up in them)."""
+    return linear_weight(name) or (name == EMBED and name in stored)
 
 
 def load_checkpoint(
@@ -77,12 +87,12 @@ def load_checkpoint(
         from specair.models.gguf_loader import load_stored
 
         cached = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-        ckpt = load_hf_dir(default_model_dir(cached, progress=progress), dtype, shard, lazy_linear)
-        if shard is None:  # the file's blocks, for kernels that read them as stored
-            ckpt.stored = load_stored(default_gguf_path(), ckpt.config)
-            embed = "model.embed_tokens.weight"
-            if lazy_linear and embed in ckpt.stored:  # looked up in its blocks, as load_gguf leaves it
-                ckpt.state_dict[embed] = placeholder(tuple(ckpt.state_dict[embed].shape), dtype)
+        d = default_model_dir(cached, progress=progress)
+        # the file's blocks, for kernels that read them as stored
+        stored = load_stored(default_gguf_path(), ModelConfig.from_hf(read_json_object(d / "config.json"))) \
+            if shard is None else {}
+        ckpt = load_hf_dir(d, dtype, shard, lazy_linear, stored)
+        ckpt.stored = stored
         return ckpt
     p = Path(path).expanduser()
     if not p.exists():
@@ -285,10 +295,12 @@ def checked_names(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, source: 
 # ---- HF safetensors directory ----
 
 def load_hf_dir(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                shard: tuple[int, int] | None = None, lazy_linear: bool = False) -> Checkpoint:
+                shard: tuple[int, int] | None = None, lazy_linear: bool = False,
+                stored: dict[str, StoredWeight] | None = None) -> Checkpoint:
     """Load an HF model directory: config.json, model.safetensors (or a sharded index), tokenizer files;
     with `shard` (rank, world), reading only that rank's part of each tensor (`shard_slice`); with
-    `lazy_linear` (unsharded), linear weights as placeholders (`load_checkpoint`)."""
+    `lazy_linear` (unsharded), placeholders where `lazy_tensor` says (`stored`: the blocks a GGUF file holds of
+    these weights, the default model's)."""
     from safetensors import safe_open
 
     d = Path(directory)
@@ -327,7 +339,7 @@ def load_hf_dir(directory: str | os.PathLike, dtype: torch.dtype = torch.float32
     def tensor(st, name: str, f: Path) -> None:  # noqa: ANN001
         if name not in keep:
             return
-        if lazy_linear and layout is None and linear_weight(name):
+        if lazy_linear and layout is None and lazy_tensor(name, stored or {}):
             sd[name] = placeholder(shapes[name], dtype)
             return
         cut = None if layout is None else shard_slice(layout, name, cfg)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from specair.models.checkpoint import (Checkpoint, CheckpointInfo, StoredWeight, check_state_dict, file_sha256,
-                                       interleaved_to_half, linear_weight)
+                                       interleaved_to_half, lazy_tensor)
 from specair.models.config import ModelConfig
 from specair.models.errors import ModelFormatError
 from specair.models.llama import placeholder
@@ -171,9 +171,6 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
     }
 
 
-_EMBED = "model.embed_tokens.weight"
-
-
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = True,
               lazy_linear: bool = False) -> Checkpoint:
     """Load a llama/mistral/qwen2/qwen3 GGUF file: dequantize every tensor to `dtype`, undo llama.cpp's q/k
@@ -189,9 +186,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, progr
     cfg = ModelConfig.from_hf(gguf_hf_config(reader))
     sd: dict[str, torch.Tensor] = {}
     stored = stored_weights(reader, cfg)
-    # lazily, an embedding stored as blocks is looked up in them too (GatherBlocks): no float table
-    lazy = {t.name for t in reader.tensors if lazy_linear and (linear_weight(hf_name(t.name) or "")
-                                                               or hf_name(t.name) == _EMBED and _EMBED in stored)}
+    lazy = {t.name for t in reader.tensors if lazy_linear and lazy_tensor(hf_name(t.name) or "", stored)}
     for t in reader.tensors:
         if t.name in lazy:  # GGML lists dimensions innermost first
             sd[hf_name(t.name)] = placeholder((int(t.shape[1]), int(t.shape[0])), dtype)

@@ -512,7 +512,7 @@ def is_placeholder(t: Tensor) -> bool:
     return t.numel() > 1 and all(s == 0 for s in t.stride())
 
 
-def release_linear_weights(model: nn.Module) -> int:
+def release_compiled_weights(model: nn.Module) -> int:
     """Replace the weight of every nn.Linear under `model` by a placeholder of its shape that holds no memory (a
     zero-stride view of one zero): for a model whose linear layers only compiled graphs read, from their own
     copies (specair's int4 kernels). An embedding table goes too where its rows are stored blocks (GGUF_PARTS:
@@ -520,7 +520,7 @@ def release_linear_weights(model: nn.Module) -> int:
     freed, seen = 0, set()
     for m in model.modules():
         stored_table = isinstance(m, nn.Embedding) and getattr(m.weight, GGUF_PARTS, None)
-        if (isinstance(m, nn.Linear) or stored_table) and id(m.weight) not in seen and m.weight.stride() != (0, 0):
+        if (isinstance(m, nn.Linear) or stored_table) and id(m.weight) not in seen and not is_placeholder(m.weight):
             w = m.weight
             freed += w.numel() * w.element_size()
             m.weight = nn.Parameter(placeholder(w.shape, w.dtype).to(w.device), requires_grad=False)

@@ -23,7 +23,7 @@ from specair.compile.plan import VARIANTS, Plan
 from specair.compile.spec_config import SpeculativeConfig
 from specair.models.checkpoint import check_memory, load_checkpoint
 from specair.models.errors import InputError
-from specair.models.llama import TensorParallel, Transformer, build_model, release_linear_weights, with_features
+from specair.models.llama import TensorParallel, Transformer, build_model, release_compiled_weights, with_features
 from specair.runtime.engine import Engine
 from specair.runtime.native_manifest import write_native
 from specair.runtime.output import eos_ids
@@ -417,7 +417,7 @@ def _artifact_engine(models: Models, plan: Plan, be: Any, art: Path, manifest: d
                          plan, max_waiting, name)
     q = (manifest.get("quantization") or {}).get("method")
     if getattr(be, "reads_own_weights", False):  # memory follows the work: the graphs hold their own copies
-        freed = sum(release_linear_weights(m) for m in (models.target, models.draft) if isinstance(m, torch.nn.Module))
+        freed = sum(release_compiled_weights(m) for m in (models.target, models.draft) if isinstance(m, torch.nn.Module))
         if freed:
             log(f"specair: released {freed / 2**20:.0f} MiB of float weights the compiled graphs do not read")
     log(f"opened {len(manifest['graphs'])} {be.name} graphs from {art} in {time.perf_counter() - t0:.1f}s")

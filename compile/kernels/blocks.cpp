@@ -731,13 +731,7 @@ void blocks_dequantize(int format, int64_t K, int64_t N, const uint8_t* records,
                                dequantize_format<kQ5_1>, dequantize_format<kQ8_0>, dequantize_format<kQ4_K>,
                                dequantize_format<kQ5_K>, dequantize_format<kQ6_K>};
   if (is_float(format)) {
-    const int64_t R = kInfo[format].record;
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t k = 0; k < K; ++k) {
-        const uint8_t* rec = records + ((n / kTile) * (K / kBlock) + k / kBlock) * R;
-        const int64_t i = (k % kBlock) * kTile + n % kTile;
-        w[n * K + k] = format == kF16 ? float_at<kF16>(rec, i) : float_at<kF32>(rec, i);
-      }
+    for (int64_t n = 0; n < N; ++n) blocks_row(format, K, records, super, n, w + n * K);
     return;
   }
   fns[format](K, N, records, super, w);
